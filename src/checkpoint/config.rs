@@ -1,0 +1,358 @@
+//! `config.json` for the supported families. Parsed by hand from a JSON value rather than with
+//! serde derive so that every error names the field and what was expected of it.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// Llama 3.x, SmolLM2 and other `LlamaForCausalLM` checkpoints.
+    Llama,
+    /// Qwen3: per-head RMSNorm on q and k before RoPE, tied embeddings by default.
+    Qwen3,
+}
+
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "qwen3"];
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor`.
+    Linear {
+        factor: f32,
+    },
+    /// Llama 3.1+ frequency-dependent scaling.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: f32,
+    },
+}
+
+/// Affine quantization of one linear or embedding (MLX layout: packed uint32 `weight`,
+/// `scales`, `biases`, one scale and bias per `group_size` inputs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct QuantSpec {
+    pub group_size: usize,
+    pub bits: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Quantization {
+    pub default: QuantSpec,
+    /// mlx-lm writes per-module entries (`"model.layers.0.mlp.down_proj": {...}` or `false`)
+    /// next to the defaults for mixed-precision conversions.
+    pub overrides: BTreeMap<String, Option<QuantSpec>>,
+}
+
+impl Quantization {
+    /// The spec for module `path` (e.g. `model.layers.3.self_attn.q_proj`), or `None` if that
+    /// module is stored unquantized.
+    pub fn for_module(&self, path: &str) -> Option<QuantSpec> {
+        match self.overrides.get(path) {
+            Some(o) => *o,
+            None => Some(self.default),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub intermediate_size: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_traditional: bool,
+    pub rope_scaling: RopeScaling,
+    pub max_position_embeddings: usize,
+    /// `None` when config.json does not say; the loader then ties unless `lm_head` exists.
+    pub tie_word_embeddings: Option<bool>,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    pub quantization: Option<Quantization>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub pad_token_id: Option<u32>,
+}
+
+struct Fields<'a> {
+    file: &'a Path,
+    obj: &'a serde_json::Map<String, Value>,
+}
+
+impl<'a> Fields<'a> {
+    fn err(&self, field: &str, msg: impl std::fmt::Display) -> Error {
+        Error::config(self.file, format!("field `{field}`: {msg}"))
+    }
+    fn get(&self, field: &str) -> Option<&'a Value> {
+        self.obj.get(field).filter(|v| !v.is_null())
+    }
+    fn usize_opt(&self, field: &str) -> Result<Option<usize>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) if n > 0 => Ok(Some(n as usize)),
+                _ => Err(self.err(field, format!("expected a positive integer, found {v}"))),
+            },
+        }
+    }
+    fn usize(&self, field: &str) -> Result<usize> {
+        self.usize_opt(field)?
+            .ok_or_else(|| self.err(field, "missing"))
+    }
+    fn f32_or(&self, field: &str, default: f32) -> Result<f32> {
+        match self.get(field) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite())
+                .map(|x| x as f32)
+                .ok_or_else(|| self.err(field, format!("expected a number, found {v}"))),
+        }
+    }
+    fn bool_opt(&self, field: &str) -> Result<Option<bool>> {
+        match self.get(field) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(self.err(field, format!("expected true or false, found {v}"))),
+        }
+    }
+    fn token_ids(&self, field: &str) -> Result<Vec<u32>> {
+        let as_id = |v: &Value| v.as_u64().and_then(|n| u32::try_from(n).ok());
+        match self.get(field) {
+            None => Ok(vec![]),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| as_id(v).ok_or_else(|| self.err(field, format!("not a token id: {v}"))))
+                .collect(),
+            Some(v) => as_id(v)
+                .map(|id| vec![id])
+                .ok_or_else(|| self.err(field, format!("not a token id: {v}"))),
+        }
+    }
+}
+
+impl ModelConfig {
+    pub fn load(dir: &Path) -> Result<Self> {
+        let file = dir.join("config.json");
+        let text = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
+        Self::parse(&file, &text)
+    }
+
+    pub fn parse(file: &Path, text: &str) -> Result<Self> {
+        let value: Value = serde_json::from_str(text)
+            .map_err(|e| Error::config(file, format!("not valid JSON: {e}")))?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| Error::config(file, "expected a JSON object at the top level"))?;
+        let f = Fields { file, obj };
+
+        let model_type = f
+            .get("model_type")
+            .ok_or_else(|| f.err("model_type", "missing"))?
+            .as_str()
+            .ok_or_else(|| f.err("model_type", "expected a string"))?;
+        let arch = match model_type {
+            "llama" => Arch::Llama,
+            "qwen3" => Arch::Qwen3,
+            other => {
+                return Err(f.err(
+                    "model_type",
+                    format!(
+                        "unsupported model_type `{other}`; supported: {}",
+                        SUPPORTED_MODEL_TYPES.join(", ")
+                    ),
+                ));
+            }
+        };
+
+        let hidden_size = f.usize("hidden_size")?;
+        let num_heads = f.usize("num_attention_heads")?;
+        let num_kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(num_heads);
+        if num_heads % num_kv_heads != 0 {
+            return Err(f.err(
+                "num_key_value_heads",
+                format!("{num_kv_heads} does not divide num_attention_heads = {num_heads}"),
+            ));
+        }
+        let head_dim = match f.usize_opt("head_dim")? {
+            Some(d) => d,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => {
+                return Err(f.err(
+                    "head_dim",
+                    "missing and hidden_size is not a multiple of num_attention_heads",
+                ));
+            }
+        };
+        if head_dim % 2 != 0 {
+            return Err(f.err(
+                "head_dim",
+                format!("{head_dim} is odd; RoPE needs an even head_dim"),
+            ));
+        }
+
+        let default_theta = match arch {
+            Arch::Llama => 10_000.0,
+            Arch::Qwen3 => 1_000_000.0,
+        };
+        let rope_scaling = parse_rope_scaling(&f)?;
+        let quantization = parse_quantization(&f)?;
+
+        Ok(ModelConfig {
+            arch,
+            hidden_size,
+            num_layers: f.usize("num_hidden_layers")?,
+            intermediate_size: f.usize("intermediate_size")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: f.usize("vocab_size")?,
+            rms_norm_eps: f.f32_or("rms_norm_eps", 1e-6)?,
+            rope_theta: f.f32_or("rope_theta", default_theta)?,
+            rope_traditional: f.bool_opt("rope_traditional")?.unwrap_or(false),
+            rope_scaling,
+            max_position_embeddings: f.usize_opt("max_position_embeddings")?.unwrap_or(131_072),
+            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?,
+            attention_bias: f.bool_opt("attention_bias")?.unwrap_or(false),
+            mlp_bias: f.bool_opt("mlp_bias")?.unwrap_or(false),
+            quantization,
+            bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
+            eos_token_ids: f.token_ids("eos_token_id")?,
+            pad_token_id: f.token_ids("pad_token_id")?.first().copied(),
+        })
+    }
+
+    /// Parameter count as stored (a packed uint32 counts for 32/bits weights).
+    pub fn describe_heads(&self) -> String {
+        format!(
+            "{} heads, {} KV heads, head_dim {}",
+            self.num_heads, self.num_kv_heads, self.head_dim
+        )
+    }
+}
+
+fn parse_rope_scaling(f: &Fields) -> Result<RopeScaling> {
+    let Some(v) = f.get("rope_scaling") else {
+        return Ok(RopeScaling::None);
+    };
+    let obj = v
+        .as_object()
+        .ok_or_else(|| f.err("rope_scaling", "expected an object"))?;
+    let sub = Fields { file: f.file, obj };
+    let kind = sub
+        .get("rope_type")
+        .or_else(|| sub.get("type"))
+        .and_then(Value::as_str)
+        .ok_or_else(|| f.err("rope_scaling.rope_type", "missing"))?;
+    let factor = sub.f32_or("factor", 1.0)?;
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear { factor }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: sub.f32_or("low_freq_factor", 1.0)?,
+            high_freq_factor: sub.f32_or("high_freq_factor", 4.0)?,
+            original_max_position_embeddings: sub
+                .f32_or("original_max_position_embeddings", 8192.0)?,
+        }),
+        other => Err(f.err(
+            "rope_scaling.rope_type",
+            format!("unsupported `{other}`; supported: default, linear, llama3"),
+        )),
+    }
+}
+
+fn parse_quant_spec(f: &Fields, field: &str, v: &Value) -> Result<QuantSpec> {
+    let obj = v
+        .as_object()
+        .ok_or_else(|| f.err(field, "expected an object"))?;
+    let sub = Fields { file: f.file, obj };
+    let group_size = sub.usize("group_size").map_err(|_| {
+        f.err(
+            &format!("{field}.group_size"),
+            "missing or not a positive integer",
+        )
+    })?;
+    let bits = sub.usize("bits").map_err(|_| {
+        f.err(
+            &format!("{field}.bits"),
+            "missing or not a positive integer",
+        )
+    })?;
+    if let Some(mode) = sub.get("mode").and_then(Value::as_str) {
+        if mode != "affine" {
+            return Err(f.err(
+                &format!("{field}.mode"),
+                format!("unsupported `{mode}`; only affine"),
+            ));
+        }
+    }
+    if ![2, 3, 4, 5, 6, 8].contains(&bits) {
+        return Err(f.err(
+            &format!("{field}.bits"),
+            format!("unsupported {bits}; MLX affine supports 2,3,4,5,6,8"),
+        ));
+    }
+    if ![32, 64, 128].contains(&group_size) {
+        return Err(f.err(
+            &format!("{field}.group_size"),
+            format!("unsupported {group_size}; expected 32, 64 or 128"),
+        ));
+    }
+    Ok(QuantSpec { group_size, bits })
+}
+
+fn parse_quantization(f: &Fields) -> Result<Option<Quantization>> {
+    let Some(v) = f
+        .get("quantization")
+        .or_else(|| f.get("quantization_config"))
+    else {
+        return Ok(None);
+    };
+    let default = parse_quant_spec(f, "quantization", v)?;
+    let mut overrides = BTreeMap::new();
+    if let Some(obj) = v.as_object() {
+        for (key, val) in obj {
+            match val {
+                Value::Bool(false) => {
+                    overrides.insert(key.clone(), None);
+                }
+                Value::Object(_) => {
+                    let spec = parse_quant_spec(f, &format!("quantization.{key}"), val)?;
+                    overrides.insert(key.clone(), Some(spec));
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(Some(Quantization { default, overrides }))
+}
+
+/// The directory a file lives in, for error messages about sibling files.
+pub fn config_path(dir: &Path) -> PathBuf {
+    dir.join("config.json")
+}

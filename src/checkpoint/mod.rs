@@ -1,0 +1,127 @@
+//! Checkpoints: where they are (a local directory or a Hugging Face repo id resolved offline in
+//! the local HF cache), what they say (config.json) and what they hold (safetensors, tokenizer).
+
+pub mod config;
+pub mod tokenizer;
+pub mod weights;
+
+use std::path::{Path, PathBuf};
+
+pub use config::{Arch, ModelConfig, QuantSpec, Quantization, RopeScaling};
+pub use tokenizer::Tokenizer;
+pub use weights::WeightStore;
+
+use crate::error::{Error, Result};
+
+/// Where the Hugging Face cache is: `HF_HUB_CACHE`, else `HF_HOME/hub`, else
+/// `~/.cache/huggingface/hub` (the same order as `huggingface_hub`).
+pub fn hf_cache_dir() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("HF_HUB_CACHE").filter(|p| !p.is_empty()) {
+        return Some(PathBuf::from(p));
+    }
+    if let Some(p) = std::env::var_os("HF_HOME").filter(|p| !p.is_empty()) {
+        return Some(PathBuf::from(p).join("hub"));
+    }
+    let home = std::env::var_os("HOME").filter(|p| !p.is_empty())?;
+    Some(
+        PathBuf::from(home)
+            .join(".cache")
+            .join("huggingface")
+            .join("hub"),
+    )
+}
+
+fn looks_like_repo_id(reference: &str) -> bool {
+    let parts: Vec<&str> = reference.split('/').collect();
+    parts.len() == 2
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && p != &"."
+                && p != &".."
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        })
+}
+
+/// Resolve a checkpoint reference to a directory without touching the network.
+///
+/// `base` is the directory relative paths are resolved against (a suite file's directory, or
+/// the current directory on the command line).
+pub fn resolve(reference: &str, base: &Path) -> Result<PathBuf> {
+    let expanded = expand_home(reference);
+    let local = if expanded.is_absolute() {
+        expanded.clone()
+    } else {
+        base.join(&expanded)
+    };
+    let mut searched = vec![local.clone()];
+    if local.join("config.json").is_file() {
+        return Ok(local);
+    }
+    if local.is_dir() {
+        return Err(Error::config(
+            local.join("config.json"),
+            "missing: a checkpoint directory needs config.json",
+        ));
+    }
+    if looks_like_repo_id(reference) {
+        if let Some(cache) = hf_cache_dir() {
+            let repo = cache.join(format!("models--{}", reference.replace('/', "--")));
+            searched.push(repo.clone());
+            if let Some(snapshot) = hf_snapshot(&repo) {
+                return Ok(snapshot);
+            }
+        }
+        return Err(Error::CheckpointNotFound {
+            reference: reference.to_string(),
+            searched,
+            hint: format!(
+                "parity never downloads. Fetch it on a machine with network access, e.g.\n  \
+                 huggingface-cli download {reference}\n\
+                 (or set HF_HUB_CACHE / HF_HOME to a cache that has it)"
+            ),
+        });
+    }
+    Err(Error::CheckpointNotFound {
+        reference: reference.to_string(),
+        searched,
+        hint: "a checkpoint is a directory with config.json, *.safetensors and tokenizer.json, or a Hugging Face repo id (ORG/NAME) in the local cache".into(),
+    })
+}
+
+/// `refs/main` names the snapshot; without it, the most recently modified snapshot that has a
+/// config.json.
+fn hf_snapshot(repo: &Path) -> Option<PathBuf> {
+    let snapshots = repo.join("snapshots");
+    if let Ok(rev) = std::fs::read_to_string(repo.join("refs").join("main")) {
+        let dir = snapshots.join(rev.trim());
+        if dir.join("config.json").is_file() {
+            return Some(dir);
+        }
+    }
+    let mut candidates: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(&snapshots)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.join("config.json").is_file())
+        .map(|p| {
+            (
+                p.metadata()
+                    .and_then(|m| m.modified())
+                    .unwrap_or(std::time::UNIX_EPOCH),
+                p,
+            )
+        })
+        .collect();
+    candidates.sort();
+    candidates.pop().map(|(_, p)| p)
+}
+
+fn expand_home(reference: &str) -> PathBuf {
+    if let Some(rest) = reference.strip_prefix("~/") {
+        if let Some(home) = std::env::var_os("HOME") {
+            return PathBuf::from(home).join(rest);
+        }
+    }
+    PathBuf::from(reference)
+}

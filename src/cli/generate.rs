@@ -1,0 +1,80 @@
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::Args as ClapArgs;
+
+use crate::checkpoint::{self, ModelConfig, Tokenizer};
+use crate::dtype::DtypeSetting;
+use crate::engine;
+use crate::kv::{Backend, DenseCache, KvCache, PagedBlockPool, PoolOptions};
+use crate::model::Model;
+
+#[derive(ClapArgs)]
+pub struct Args {
+    /// Checkpoint directory or Hugging Face repo id (resolved offline in the local HF cache).
+    checkpoint: String,
+    /// Prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Render the prompt with the checkpoint's chat template.
+    #[arg(long)]
+    chat: bool,
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// Compute dtype: float32, bfloat16, float16 or native (as stored).
+    #[arg(long, default_value = "float32")]
+    dtype: DtypeSetting,
+    /// KV storage backend.
+    #[arg(long, default_value = "dense")]
+    kv: Backend,
+    /// Rows per KV block (paged backend).
+    #[arg(long, default_value_t = 32)]
+    block_size: usize,
+    /// Dequantize quantized weights at load (faster on CPU; recorded in output).
+    #[arg(long)]
+    dequantize: bool,
+    /// Print {"prompt_ids", "tokens", "text"} as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> Result<ExitCode> {
+    let cwd = std::env::current_dir()?;
+    let dir = checkpoint::resolve(&a.checkpoint, &cwd)?;
+    let config = ModelConfig::load(&dir)?;
+    let tokenizer = Tokenizer::load(&dir)?;
+    let prompt_ids = if a.chat {
+        tokenizer.encode_chat(&a.prompt)?
+    } else {
+        tokenizer.encode_raw(&a.prompt)?
+    };
+    let model = Model::load(&dir, config, a.dtype.resolve(), a.dequantize)
+        .with_context(|| format!("loading {}", dir.display()))?;
+    let mut kv: Box<dyn KvCache> = match a.kv {
+        Backend::Dense => Box::new(DenseCache::new(model.kv_shape())),
+        Backend::Paged => Box::new(PagedBlockPool::new(
+            model.kv_shape(),
+            PoolOptions {
+                block_size: a.block_size,
+                ..PoolOptions::default()
+            },
+            model.faults,
+        )?),
+    };
+    let (_, trace) = engine::generate(&model, kv.as_mut(), &prompt_ids, a.max_tokens)?;
+    let text = tokenizer.decode(&trace.tokens)?;
+    if a.json {
+        let out = serde_json::json!({
+            "prompt_ids": prompt_ids,
+            "tokens": trace.tokens,
+            "text": text,
+            "dtype": model.dtype.name(),
+            "kv": a.kv.name(),
+            "dequantized": model.dequantized,
+        });
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        println!("{text}");
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,55 @@
+//! The command line. Library errors become `anyhow` errors with context here; exit codes are
+//! decided here and only here.
+
+mod generate;
+mod inspect;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Exit codes (documented in README): 0 pass, 1 parity failure or unaccepted snapshot change,
+/// 2 usage or suite error, 125 (with --bisect) a run that cannot be judged.
+pub const EXIT_FAIL: u8 = 1;
+pub const EXIT_USAGE: u8 = 2;
+pub const EXIT_SKIP: u8 = 125;
+
+#[derive(Parser)]
+#[command(
+    name = "parity",
+    version,
+    about = "Prove an MLX engine's paged KV-cache decode path matches its dense path"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Greedy-decode a prompt on one checkpoint and backend.
+    Generate(generate::Args),
+    /// Describe a checkpoint: architecture, sizes, dtype, quantization, tokenizer.
+    Inspect(inspect::Args),
+}
+
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { 0 });
+        }
+    };
+    let result = match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Inspect(a) => inspect::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(EXIT_USAGE)
+        }
+    }
+}

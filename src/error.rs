@@ -1,0 +1,95 @@
+//! Library errors. Every variant that comes from user input names the file and the field, so
+//! that a suite run can report it on the row and keep going.
+
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("checkpoint `{reference}` not found; looked in:\n{}\n{hint}", searched_list(.searched))]
+    CheckpointNotFound {
+        reference: String,
+        searched: Vec<PathBuf>,
+        hint: String,
+    },
+
+    #[error("{file}: {message}")]
+    Config { file: PathBuf, message: String },
+
+    #[error("{file}: tensor `{tensor}`: {message}")]
+    Tensor {
+        file: PathBuf,
+        tensor: String,
+        message: String,
+    },
+
+    #[error("{file}: {message}")]
+    Weights { file: PathBuf, message: String },
+
+    #[error("{file}: {message}")]
+    Tokenizer { file: PathBuf, message: String },
+
+    #[error("io error on {file}: {source}")]
+    Io {
+        file: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error(
+        "prompt of {prompt} tokens plus {generate} to generate exceeds the context of {context} (max_position_embeddings in config.json)"
+    )]
+    ContextOverflow {
+        prompt: usize,
+        generate: usize,
+        context: usize,
+    },
+
+    #[error(
+        "KV pool exhausted: sequence needs {needed} more block(s) of {block_size} rows, {free} free of a budget of {budget}"
+    )]
+    PoolExhausted {
+        needed: usize,
+        free: usize,
+        budget: usize,
+        block_size: usize,
+    },
+
+    #[error("KV cache: {0}")]
+    Kv(String),
+
+    #[error("mlx: {0}")]
+    Mlx(String),
+
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn searched_list(p: &[PathBuf]) -> String {
+    p.iter()
+        .map(|p| format!("  - {}", p.display()))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+impl From<mlx_rs::error::Exception> for Error {
+    fn from(e: mlx_rs::error::Exception) -> Self {
+        Error::Mlx(e.what().to_string())
+    }
+}
+
+impl Error {
+    pub fn config(file: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        Error::Config {
+            file: file.into(),
+            message: message.into(),
+        }
+    }
+    pub fn io(file: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            file: file.into(),
+            source,
+        }
+    }
+}

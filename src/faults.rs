@@ -1,0 +1,87 @@
+//! Planted regressions. Each fault lives in the real code path it breaks, behind a flag that is
+//! off by default and costs one bit test when off. `parity selftest` turns them on one at a
+//! time and demands that the suite fails.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fault {
+    /// Batched decode rotates the whole `[B, H, 1, D]` tensor once with row 0's offset; the
+    /// batch axis aliases the sequence axis, so row b is rotated at offset + b.
+    RopeBatchAlias,
+    /// Paged trim returns 0 and removes nothing (the pool-backed trim no-op).
+    PagedTrimNoop,
+    /// Paged rollback frees the trimmed blocks but leaves the position counter where it was.
+    RewindKeepsPosition,
+    /// The paged gather repeats the first row of the last block and drops its newest row.
+    GatherOffByOne,
+    /// Released blocks are not cleared and the visible length is over-counted by one row, so
+    /// a stale row is attended.
+    StaleBlock,
+    /// Padded prefill attends to the pad rows of left-padded sequences.
+    PadUnmasked,
+    /// In a B>1 decode, rows 0 and 1 are rotated at each other's positions.
+    BatchRowSwap,
+    /// A write into a block shared with another sequence skips the copy-on-write.
+    CowSkipped,
+}
+
+pub const ALL: &[Fault] = &[
+    Fault::RopeBatchAlias,
+    Fault::PagedTrimNoop,
+    Fault::RewindKeepsPosition,
+    Fault::GatherOffByOne,
+    Fault::StaleBlock,
+    Fault::PadUnmasked,
+    Fault::BatchRowSwap,
+    Fault::CowSkipped,
+];
+
+impl Fault {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::RopeBatchAlias => "rope-batch-alias",
+            Fault::PagedTrimNoop => "paged-trim-noop",
+            Fault::RewindKeepsPosition => "rewind-keeps-position",
+            Fault::GatherOffByOne => "gather-off-by-one",
+            Fault::StaleBlock => "stale-block",
+            Fault::PadUnmasked => "pad-unmasked",
+            Fault::BatchRowSwap => "batch-row-swap",
+            Fault::CowSkipped => "cow-skipped",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Fault> {
+        ALL.iter().copied().find(|f| f.name() == s)
+    }
+
+    fn bit(self) -> u16 {
+        1 << (self as u16)
+    }
+}
+
+/// A set of enabled faults; empty by default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Faults(u16);
+
+impl Faults {
+    pub const NONE: Faults = Faults(0);
+
+    pub fn only(f: Fault) -> Self {
+        Faults(f.bit())
+    }
+
+    #[inline]
+    pub fn has(self, f: Fault) -> bool {
+        self.0 & f.bit() != 0
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    pub fn list(self) -> Vec<Fault> {
+        ALL.iter().copied().filter(|f| self.has(*f)).collect()
+    }
+}

@@ -1,0 +1,150 @@
+//! KV storage behind one trait. The model writes and reads K/V through [`KvCache`] and never
+//! learns which backend it runs on; scenarios drive sequences (create, trim, release, share).
+//!
+//! Invariant (the "two sources of truth" bug): each sequence has exactly one length counter,
+//! kept by the backend. It is the next row to write, the visible length, and — minus the
+//! sequence's masked prefix — the RoPE offset. Nothing else stores a position.
+
+pub mod dense;
+pub mod paged;
+
+use mlx_rs::Array;
+use serde::Serialize;
+
+use crate::dtype::DtypeName;
+use crate::error::Result;
+
+pub use dense::DenseCache;
+pub use paged::{PagedBlockPool, PoolOptions};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct SeqId(pub u32);
+
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Dense,
+    Paged,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Dense => "dense",
+            Backend::Paged => "paged",
+        }
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "dense" => Ok(Backend::Dense),
+            "paged" => Ok(Backend::Paged),
+            other => Err(format!(
+                "unknown backend `{other}`; expected dense or paged"
+            )),
+        }
+    }
+}
+
+/// Memory held by a backend, in bytes of K and V over all layers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct KvStats {
+    /// Rows that sequences can see.
+    pub bytes_live: u64,
+    /// Allocated to sequences (dense: buffer capacity; paged: blocks in use).
+    pub bytes_in_use: u64,
+    /// Reserved from the allocator (dense: same as in use; paged: all slabs).
+    pub bytes_reserved: u64,
+    pub peak_bytes_in_use: u64,
+    /// Paged only.
+    pub blocks_in_use: usize,
+    pub peak_blocks_in_use: usize,
+    pub blocks_reserved: usize,
+}
+
+/// Where a row of a sequence lives, for locating a divergence in layout terms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct RowLocation {
+    pub block_index: usize,
+    pub offset_in_block: usize,
+}
+
+pub trait KvCache {
+    fn backend(&self) -> Backend;
+
+    /// A new empty sequence. Its first `masked_prefix` rows (left padding of a batched
+    /// prefill) will be written like any other but are never attended by real tokens and do
+    /// not count towards RoPE positions.
+    fn create(&mut self, masked_prefix: usize) -> Result<SeqId>;
+
+    /// The sequence's one counter: rows written so far.
+    fn len(&self, seq: SeqId) -> Result<usize>;
+
+    fn masked_prefix(&self, seq: SeqId) -> Result<usize>;
+
+    /// Grow the sequence by `n` rows (allocating storage as needed) and return the first new
+    /// row. Every layer must then [`write`](Self::write) exactly those rows.
+    fn reserve(&mut self, seq: SeqId, n: usize) -> Result<usize>;
+
+    /// Write K/V (`[1, n_kv_heads, n, head_dim]`) for rows `start..start + n` of one layer.
+    fn write(&mut self, layer: usize, seq: SeqId, start: usize, k: &Array, v: &Array)
+    -> Result<()>;
+
+    /// The visible K/V of one layer, contiguous: `[1, n_kv_heads, len, head_dim]` each.
+    fn read(&self, layer: usize, seq: SeqId) -> Result<(Array, Array)>;
+
+    /// Drop the newest `n` rows and move the counter back; returns the number dropped, which is
+    /// `n` or an error: a trim never silently does less (the trim no-op bug).
+    fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize>;
+
+    /// Forget a finished sequence and return its storage.
+    fn release(&mut self, seq: SeqId) -> Result<()>;
+
+    /// A new sequence whose first `rows` rows are `donor`'s, shared rather than copied.
+    /// `Ok(None)` when the backend cannot share storage (dense): the caller recomputes.
+    fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<SeqId>>;
+
+    fn stats(&self) -> KvStats;
+
+    /// Block and offset of row `row` of a sequence (paged), or `None` (dense).
+    fn locate(&self, seq: SeqId, row: usize) -> Option<RowLocation>;
+}
+
+/// K/V `[1, H, n, D]` shape check shared by both backends.
+pub(crate) fn check_kv_shape(k: &Array, v: &Array, heads: usize, head_dim: usize) -> Result<usize> {
+    let ks = k.shape();
+    if ks.len() != 4
+        || ks[0] != 1
+        || ks[1] as usize != heads
+        || ks[3] as usize != head_dim
+        || v.shape() != ks
+    {
+        return Err(crate::Error::Kv(format!(
+            "K/V of shape {:?}/{:?}, expected [1, {heads}, n, {head_dim}]",
+            ks,
+            v.shape()
+        )));
+    }
+    Ok(ks[2] as usize)
+}
+
+/// Geometry every backend needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct KvShape {
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub dtype: DtypeName,
+}
+
+impl KvShape {
+    /// Bytes of K plus V for one row across all layers.
+    pub fn row_bytes(&self) -> u64 {
+        (2 * self.layers * self.kv_heads * self.head_dim * self.dtype.bytes()) as u64
+    }
+}

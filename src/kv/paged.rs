@@ -1,0 +1,460 @@
+//! Paged backend: a global pool of fixed-size KV blocks, a block table per sequence.
+//!
+//! Storage is per layer, in slabs shaped `[blocks, block_size, n_kv_heads, head_dim]` for K
+//! and for V. Growth appends a slab and never copies an existing one. Blocks are refcounted so
+//! sequences can share a prefix; a write into a shared block copies it first.
+//!
+//! Poison mode (used by the harness): freed blocks, fresh slabs and rows trimmed off a block
+//! are filled with NaN, so any read of a row that should be gone turns the logits into NaN —
+//! a loud failure instead of a slight drift.
+
+use std::collections::BTreeMap;
+
+use mlx_rs::Array;
+use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
+use serde::Serialize;
+
+use super::{Backend, KvCache, KvShape, KvStats, RowLocation, SeqId, check_kv_shape};
+use crate::error::{Error, Result};
+use crate::faults::{Fault, Faults};
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct PoolOptions {
+    pub block_size: usize,
+    /// Blocks added per growth step.
+    pub slab_blocks: usize,
+    /// Upper bound on blocks; exceeding it is [`Error::PoolExhausted`].
+    pub max_blocks: Option<usize>,
+    pub poison: bool,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            block_size: 32,
+            slab_blocks: 64,
+            max_blocks: None,
+            poison: false,
+        }
+    }
+}
+
+struct PagedSeq {
+    /// The one counter (see the module docs of `kv`): the block table is sized from it.
+    len: usize,
+    masked_prefix: usize,
+    table: Vec<usize>,
+}
+
+pub struct PagedBlockPool {
+    shape: KvShape,
+    opts: PoolOptions,
+    /// `slabs[layer][slab] = (K, V)`.
+    slabs: Vec<Vec<(Array, Array)>>,
+    refcount: Vec<u32>,
+    /// Free block ids; popped from the end, so recently freed blocks are reused first.
+    free: Vec<usize>,
+    seqs: BTreeMap<SeqId, PagedSeq>,
+    next_id: u32,
+    peak_blocks: usize,
+    faults: Faults,
+}
+
+impl PagedBlockPool {
+    pub fn new(shape: KvShape, opts: PoolOptions, faults: Faults) -> Result<Self> {
+        if opts.block_size == 0 || opts.slab_blocks == 0 {
+            return Err(Error::Invalid(
+                "block_size and slab_blocks must be positive".into(),
+            ));
+        }
+        Ok(PagedBlockPool {
+            slabs: vec![Vec::new(); shape.layers],
+            shape,
+            opts,
+            refcount: Vec::new(),
+            free: Vec::new(),
+            seqs: BTreeMap::new(),
+            next_id: 0,
+            peak_blocks: 0,
+            faults,
+        })
+    }
+
+    pub fn options(&self) -> &PoolOptions {
+        &self.opts
+    }
+
+    pub fn blocks_in_use(&self) -> usize {
+        self.refcount.iter().filter(|&&r| r > 0).count()
+    }
+
+    pub fn block_table(&self, seq: SeqId) -> Result<&[usize]> {
+        Ok(&self.seq(seq)?.table)
+    }
+
+    fn seq(&self, seq: SeqId) -> Result<&PagedSeq> {
+        self.seqs
+            .get(&seq)
+            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+    }
+
+    fn seq_mut(&mut self, seq: SeqId) -> Result<&mut PagedSeq> {
+        self.seqs
+            .get_mut(&seq)
+            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+    }
+
+    fn total_blocks(&self) -> usize {
+        self.refcount.len()
+    }
+
+    fn fill(&self, rows: usize, nan: bool) -> Result<Array> {
+        let shape = [
+            1,
+            rows as i32,
+            self.shape.kv_heads as i32,
+            self.shape.head_dim as i32,
+        ];
+        let value = if nan { f32::NAN } else { 0.0 };
+        Ok(mlx_rs::ops::full::<f32>(&shape, &Array::from_f32(value))?
+            .as_dtype(self.shape.dtype.mlx())?)
+    }
+
+    /// Blocks that can still be handed out (free plus room under the budget).
+    fn available(&self) -> usize {
+        let growable = match self.opts.max_blocks {
+            Some(max) => max.saturating_sub(self.total_blocks()),
+            None => usize::MAX / 2,
+        };
+        self.free.len() + growable
+    }
+
+    fn grow(&mut self) -> Result<()> {
+        let count = match self.opts.max_blocks {
+            Some(max) => self
+                .opts
+                .slab_blocks
+                .min(max.saturating_sub(self.total_blocks())),
+            None => self.opts.slab_blocks,
+        };
+        if count == 0 {
+            return Err(self.exhausted(1));
+        }
+        let shape = [
+            count as i32,
+            self.opts.block_size as i32,
+            self.shape.kv_heads as i32,
+            self.shape.head_dim as i32,
+        ];
+        let value = if self.opts.poison { f32::NAN } else { 0.0 };
+        let slab = mlx_rs::ops::full::<f32>(&shape, &Array::from_f32(value))?
+            .as_dtype(self.shape.dtype.mlx())?;
+        for layer in &mut self.slabs {
+            layer.push((slab.clone(), slab.clone()));
+        }
+        let first = self.total_blocks();
+        self.refcount.extend(std::iter::repeat_n(0, count));
+        self.free.extend((first..first + count).rev());
+        Ok(())
+    }
+
+    fn exhausted(&self, needed: usize) -> Error {
+        Error::PoolExhausted {
+            needed,
+            free: self.free.len(),
+            budget: self.opts.max_blocks.unwrap_or(0),
+            block_size: self.opts.block_size,
+        }
+    }
+
+    fn alloc(&mut self) -> Result<usize> {
+        if self.free.is_empty() {
+            self.grow()?;
+        }
+        let block = self.free.pop().ok_or_else(|| self.exhausted(1))?;
+        self.refcount[block] = 1;
+        self.peak_blocks = self.peak_blocks.max(self.blocks_in_use());
+        Ok(block)
+    }
+
+    fn unref(&mut self, block: usize) -> Result<()> {
+        self.refcount[block] -= 1;
+        if self.refcount[block] == 0 {
+            // Guard (stale-block): a freed block is cleared before anyone can reuse it, so a
+            // read past a sequence's end sees NaN rather than another sequence's rows.
+            if self.opts.poison && !self.faults.has(Fault::StaleBlock) {
+                self.fill_rows(block, 0, self.opts.block_size, true)?;
+            }
+            self.free.push(block);
+        }
+        Ok(())
+    }
+
+    fn slot(&self, block: usize) -> (usize, i32) {
+        (
+            block / self.opts.slab_blocks,
+            (block % self.opts.slab_blocks) as i32,
+        )
+    }
+
+    /// Overwrite rows `from..to` of `block` in every layer with NaN (or zeros).
+    fn fill_rows(&mut self, block: usize, from: usize, to: usize, nan: bool) -> Result<()> {
+        if from >= to {
+            return Ok(());
+        }
+        let fill = self.fill(to - from, nan)?;
+        let (slab, local) = self.slot(block);
+        for layer in &mut self.slabs {
+            let (k, v) = &mut layer[slab];
+            k.try_index_mut((local..local + 1, from as i32..to as i32, .., ..), &fill)?;
+            v.try_index_mut((local..local + 1, from as i32..to as i32, .., ..), &fill)?;
+        }
+        Ok(())
+    }
+
+    fn copy_block(&mut self, src: usize, dst: usize) -> Result<()> {
+        let (ss, sl) = self.slot(src);
+        let (ds, dl) = self.slot(dst);
+        for layer in &mut self.slabs {
+            let k = layer[ss].0.index((sl..sl + 1, .., .., ..));
+            let v = layer[ss].1.index((sl..sl + 1, .., .., ..));
+            layer[ds].0.try_index_mut((dl..dl + 1, .., .., ..), &k)?;
+            layer[ds].1.try_index_mut((dl..dl + 1, .., .., ..), &v)?;
+        }
+        Ok(())
+    }
+}
+
+impl KvCache for PagedBlockPool {
+    fn backend(&self) -> Backend {
+        Backend::Paged
+    }
+
+    fn create(&mut self, masked_prefix: usize) -> Result<SeqId> {
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.seqs.insert(
+            id,
+            PagedSeq {
+                len: 0,
+                masked_prefix,
+                table: Vec::new(),
+            },
+        );
+        Ok(id)
+    }
+
+    fn len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.seq(seq)?.len)
+    }
+
+    fn masked_prefix(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.seq(seq)?.masked_prefix)
+    }
+
+    fn reserve(&mut self, seq: SeqId, n: usize) -> Result<usize> {
+        let bs = self.opts.block_size;
+        let (start, have) = {
+            let s = self.seq(seq)?;
+            (s.len, s.table.len())
+        };
+        let want = (start + n).div_ceil(bs);
+        // The block that row `start` lands in, if it is already in the table and shared.
+        let partial =
+            (start % bs != 0 && start / bs < have).then(|| self.seqs[&seq].table[start / bs]);
+        let cow = partial.filter(|&b| self.refcount[b] > 1 && !self.faults.has(Fault::CowSkipped));
+        let new_blocks = want.saturating_sub(have) + usize::from(cow.is_some());
+        // Check before allocating anything, so an exhausted pool leaves the sequence intact.
+        if new_blocks > self.available() {
+            return Err(self.exhausted(new_blocks));
+        }
+        if let Some(shared) = cow {
+            let private = self.alloc()?;
+            self.copy_block(shared, private)?;
+            self.unref(shared)?;
+            let s = self.seq_mut(seq)?;
+            s.table[start / bs] = private;
+        }
+        for _ in have..want {
+            let b = self.alloc()?;
+            self.seq_mut(seq)?.table.push(b);
+        }
+        self.seq_mut(seq)?.len = start + n;
+        Ok(start)
+    }
+
+    fn write(
+        &mut self,
+        layer: usize,
+        seq: SeqId,
+        start: usize,
+        k: &Array,
+        v: &Array,
+    ) -> Result<()> {
+        let n = check_kv_shape(k, v, self.shape.kv_heads, self.shape.head_dim)?;
+        if layer >= self.shape.layers {
+            return Err(Error::Kv(format!("layer {layer} out of range")));
+        }
+        let bs = self.opts.block_size;
+        let s = self.seq(seq)?;
+        if start + n > s.len {
+            return Err(Error::Kv(format!(
+                "write of rows {start}..{} beyond reserved length {}",
+                start + n,
+                s.len
+            )));
+        }
+        // [1, H, n, D] -> [1, n, H, D], the slab's row layout.
+        let k = k.transpose_axes(&[0, 2, 1, 3])?;
+        let v = v.transpose_axes(&[0, 2, 1, 3])?;
+        let mut spans = Vec::new();
+        let mut row = start;
+        while row < start + n {
+            let off = row % bs;
+            let count = (bs - off).min(start + n - row);
+            spans.push((s.table[row / bs], off, count, row - start));
+            row += count;
+        }
+        for (block, off, count, src) in spans {
+            let (slab, local) = self.slot(block);
+            let (ks, vs) = &mut self.slabs[layer][slab];
+            let src = src as i32..(src + count) as i32;
+            let dst = (local..local + 1, off as i32..(off + count) as i32, .., ..);
+            ks.try_index_mut(dst.clone(), &k.index((.., src.clone(), .., ..)))?;
+            vs.try_index_mut(dst, &v.index((.., src, .., ..)))?;
+        }
+        Ok(())
+    }
+
+    fn read(&self, layer: usize, seq: SeqId) -> Result<(Array, Array)> {
+        let bs = self.opts.block_size;
+        let s = self.seq(seq)?;
+        let mut visible = s.len;
+        if self.faults.has(Fault::StaleBlock) && visible % bs != 0 {
+            visible += 1;
+        }
+        let blocks = visible.div_ceil(bs);
+        if blocks > s.table.len() {
+            return Err(Error::Kv(format!(
+                "sequence {} has {} rows but only {} blocks of {bs}",
+                seq.0,
+                visible,
+                s.table.len()
+            )));
+        }
+        let mut ks = Vec::with_capacity(blocks);
+        let mut vs = Vec::with_capacity(blocks);
+        for (i, &block) in s.table[..blocks].iter().enumerate() {
+            let rows = (visible - i * bs).min(bs) as i32;
+            let (slab, local) = self.slot(block);
+            let (k, v) = &self.slabs[layer][slab];
+            if self.faults.has(Fault::GatherOffByOne) && i + 1 == blocks && rows > 1 {
+                let idx: Vec<i32> = std::iter::once(0).chain(0..rows - 1).collect();
+                let idx = Array::from_slice(&idx, &[rows]);
+                ks.push(k.index((local..local + 1, .., .., ..)).take_axis(&idx, 1)?);
+                vs.push(v.index((local..local + 1, .., .., ..)).take_axis(&idx, 1)?);
+            } else {
+                ks.push(k.index((local..local + 1, 0..rows, .., ..)));
+                vs.push(v.index((local..local + 1, 0..rows, .., ..)));
+            }
+        }
+        if ks.is_empty() {
+            return Err(Error::Kv(format!("sequence {} is empty", seq.0)));
+        }
+        let k = mlx_rs::ops::concatenate(&ks, 1)?.transpose_axes(&[0, 2, 1, 3])?;
+        let v = mlx_rs::ops::concatenate(&vs, 1)?.transpose_axes(&[0, 2, 1, 3])?;
+        Ok((k, v))
+    }
+
+    fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize> {
+        let bs = self.opts.block_size;
+        let len = self.seq(seq)?.len;
+        if n > len {
+            return Err(Error::Kv(format!(
+                "cannot trim {n} rows from sequence {} of length {len}",
+                seq.0
+            )));
+        }
+        if self.faults.has(Fault::PagedTrimNoop) {
+            return Ok(0);
+        }
+        let new_len = len - n;
+        let keep = new_len.div_ceil(bs);
+        let dropped: Vec<usize> = self.seq_mut(seq)?.table.drain(keep..).collect();
+        for b in dropped.into_iter().rev() {
+            self.unref(b)?;
+        }
+        // Rows trimmed off the last kept block are poisoned only if no one else sees them.
+        if self.opts.poison && new_len % bs != 0 {
+            let last = self.seq(seq)?.table[keep - 1];
+            if self.refcount[last] == 1 {
+                let to = (len - (keep - 1) * bs).min(bs);
+                self.fill_rows(last, new_len % bs, to, true)?;
+            }
+        }
+        if !self.faults.has(Fault::RewindKeepsPosition) {
+            self.seq_mut(seq)?.len = new_len;
+        }
+        Ok(n)
+    }
+
+    fn release(&mut self, seq: SeqId) -> Result<()> {
+        let s = self
+            .seqs
+            .remove(&seq)
+            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))?;
+        for b in s.table.into_iter().rev() {
+            self.unref(b)?;
+        }
+        Ok(())
+    }
+
+    fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<SeqId>> {
+        let bs = self.opts.block_size;
+        let d = self.seq(donor)?;
+        if rows > d.len {
+            return Err(Error::Kv(format!(
+                "cannot share {rows} rows of sequence {} of length {}",
+                donor.0, d.len
+            )));
+        }
+        let table: Vec<usize> = d.table[..rows.div_ceil(bs)].to_vec();
+        let masked_prefix = d.masked_prefix.min(rows);
+        for &b in &table {
+            self.refcount[b] += 1;
+        }
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.seqs.insert(
+            id,
+            PagedSeq {
+                len: rows,
+                masked_prefix,
+                table,
+            },
+        );
+        Ok(Some(id))
+    }
+
+    fn stats(&self) -> KvStats {
+        let row = self.shape.row_bytes();
+        let block_bytes = row * self.opts.block_size as u64;
+        let in_use = self.blocks_in_use();
+        KvStats {
+            bytes_live: self.seqs.values().map(|s| s.len as u64 * row).sum(),
+            bytes_in_use: in_use as u64 * block_bytes,
+            bytes_reserved: self.total_blocks() as u64 * block_bytes,
+            peak_bytes_in_use: self.peak_blocks as u64 * block_bytes,
+            blocks_in_use: in_use,
+            peak_blocks_in_use: self.peak_blocks,
+            blocks_reserved: self.total_blocks(),
+        }
+    }
+
+    fn locate(&self, _seq: SeqId, row: usize) -> Option<RowLocation> {
+        Some(RowLocation {
+            block_index: row / self.opts.block_size,
+            offset_in_block: row % self.opts.block_size,
+        })
+    }
+}

@@ -1,0 +1,326 @@
+//! The building blocks shared by every family: linear (dense or MLX affine-quantized),
+//! embedding (whose quantized form doubles as a tied output projection), RMSNorm, SwiGLU MLP.
+
+use mlx_rs::{Array, Dtype};
+
+use crate::checkpoint::weights::Expect;
+use crate::checkpoint::{QuantSpec, Quantization, WeightStore};
+use crate::error::Result;
+
+/// How float tensors are converted at load: everything floating (weights, norms, quantization
+/// scales and biases) is cast to `compute`, as mlx-lm's `model.set_dtype` does, so the whole
+/// forward runs in one dtype. `None` keeps what the file stores.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    pub compute: Option<Dtype>,
+    /// Dequantize quantized linears at load (an opt-in speed trade on CPU; recorded in reports).
+    pub dequantize: bool,
+}
+
+pub(crate) fn cast(a: Array, opts: &LoadOptions) -> Result<Array> {
+    match opts.compute {
+        Some(d) if a.dtype() != d => Ok(a.as_dtype(d)?),
+        _ => Ok(a),
+    }
+}
+
+pub enum Linear {
+    Dense {
+        weight: Array,
+        bias: Option<Array>,
+    },
+    Quantized {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        bias: Option<Array>,
+        spec: QuantSpec,
+    },
+}
+
+impl Linear {
+    /// Load `{path}.weight` (and `scales`/`biases` when quantized, `bias` when `has_bias`) for a
+    /// projection from `input` to `output` features.
+    pub fn load(
+        w: &mut WeightStore,
+        quant: Option<&Quantization>,
+        path: &str,
+        input: usize,
+        output: usize,
+        has_bias: bool,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
+        let bias = if has_bias {
+            Some(cast(
+                w.take(&format!("{path}.bias"), Expect::float(&[output]))?,
+                opts,
+            )?)
+        } else {
+            None
+        };
+        match quantized_spec(w, quant, path) {
+            Some(spec) => {
+                let (weight, scales, biases) = load_packed(w, path, input, output, spec, opts)?;
+                if opts.dequantize {
+                    let dense = mlx_rs::ops::dequantize(
+                        &weight,
+                        &scales,
+                        &biases,
+                        spec.group_size as i32,
+                        spec.bits as i32,
+                    )?;
+                    return Ok(Linear::Dense {
+                        weight: dense,
+                        bias,
+                    });
+                }
+                Ok(Linear::Quantized {
+                    weight,
+                    scales,
+                    biases,
+                    bias,
+                    spec,
+                })
+            }
+            None => {
+                let weight = cast(
+                    w.take(&format!("{path}.weight"), Expect::float(&[output, input]))?,
+                    opts,
+                )?;
+                Ok(Linear::Dense { weight, bias })
+            }
+        }
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let y = match self {
+            Linear::Dense { weight, .. } => x.matmul(weight.t())?,
+            Linear::Quantized {
+                weight,
+                scales,
+                biases,
+                spec,
+                ..
+            } => mlx_rs::ops::quantized_matmul(
+                x,
+                weight,
+                scales,
+                biases,
+                true,
+                spec.group_size as i32,
+                spec.bits as i32,
+            )?,
+        };
+        match self.bias() {
+            Some(b) => Ok(y.add(b)?),
+            None => Ok(y),
+        }
+    }
+
+    fn bias(&self) -> Option<&Array> {
+        match self {
+            Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
+        }
+    }
+}
+
+/// A module is quantized when the config says so and its `scales` are present; a config that
+/// says quantized but a file without scales is caught by the shape check on `weight`.
+fn quantized_spec(w: &WeightStore, quant: Option<&Quantization>, path: &str) -> Option<QuantSpec> {
+    let spec = quant?.for_module(path)?;
+    w.contains(&format!("{path}.scales")).then_some(spec)
+}
+
+fn load_packed(
+    w: &mut WeightStore,
+    path: &str,
+    input: usize,
+    output: usize,
+    spec: QuantSpec,
+    opts: &LoadOptions,
+) -> Result<(Array, Array, Array)> {
+    let packed_cols = input * spec.bits / 32;
+    let groups = input / spec.group_size.max(1);
+    let weight = w.take(
+        &format!("{path}.weight"),
+        Expect::packed(&[output, packed_cols]),
+    )?;
+    let scales = cast(
+        w.take(&format!("{path}.scales"), Expect::float(&[output, groups]))?,
+        opts,
+    )?;
+    let biases = cast(
+        w.take(&format!("{path}.biases"), Expect::float(&[output, groups]))?,
+        opts,
+    )?;
+    Ok((weight, scales, biases))
+}
+
+pub enum Embedding {
+    Dense {
+        weight: Array,
+    },
+    Quantized {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        spec: QuantSpec,
+    },
+}
+
+impl Embedding {
+    pub fn load(
+        w: &mut WeightStore,
+        quant: Option<&Quantization>,
+        path: &str,
+        vocab: usize,
+        hidden: usize,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
+        match quantized_spec(w, quant, path) {
+            Some(spec) => {
+                let (weight, scales, biases) = load_packed(w, path, hidden, vocab, spec, opts)?;
+                Ok(Embedding::Quantized {
+                    weight,
+                    scales,
+                    biases,
+                    spec,
+                })
+            }
+            None => Ok(Embedding::Dense {
+                weight: cast(
+                    w.take(&format!("{path}.weight"), Expect::float(&[vocab, hidden]))?,
+                    opts,
+                )?,
+            }),
+        }
+    }
+
+    /// `ids` of any shape -> `[..., hidden]`.
+    pub fn forward(&self, ids: &Array) -> Result<Array> {
+        match self {
+            Embedding::Dense { weight } => Ok(weight.take_axis(ids, 0)?),
+            Embedding::Quantized {
+                weight,
+                scales,
+                biases,
+                spec,
+            } => {
+                let w = weight.take_axis(ids, 0)?;
+                let s = scales.take_axis(ids, 0)?;
+                let b = biases.take_axis(ids, 0)?;
+                Ok(mlx_rs::ops::dequantize(
+                    &w,
+                    &s,
+                    &b,
+                    spec.group_size as i32,
+                    spec.bits as i32,
+                )?)
+            }
+        }
+    }
+
+    /// The tied output projection: `x @ E^T`.
+    pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        match self {
+            Embedding::Dense { weight } => Ok(x.matmul(weight.t())?),
+            Embedding::Quantized {
+                weight,
+                scales,
+                biases,
+                spec,
+            } => Ok(mlx_rs::ops::quantized_matmul(
+                x,
+                weight,
+                scales,
+                biases,
+                true,
+                spec.group_size as i32,
+                spec.bits as i32,
+            )?),
+        }
+    }
+}
+
+pub struct RmsNorm {
+    weight: Array,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn load(
+        w: &mut WeightStore,
+        path: &str,
+        dim: usize,
+        eps: f32,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
+        Ok(RmsNorm {
+            weight: cast(
+                w.take(&format!("{path}.weight"), Expect::float(&[dim]))?,
+                opts,
+            )?,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(mlx_rs::fast::rms_norm(x, Some(&self.weight), self.eps)?)
+    }
+}
+
+/// SwiGLU: `down(silu(gate(x)) * up(x))`.
+pub struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    pub fn load(
+        w: &mut WeightStore,
+        quant: Option<&Quantization>,
+        path: &str,
+        hidden: usize,
+        intermediate: usize,
+        bias: bool,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
+        Ok(Mlp {
+            gate: Linear::load(
+                w,
+                quant,
+                &format!("{path}.gate_proj"),
+                hidden,
+                intermediate,
+                bias,
+                opts,
+            )?,
+            up: Linear::load(
+                w,
+                quant,
+                &format!("{path}.up_proj"),
+                hidden,
+                intermediate,
+                bias,
+                opts,
+            )?,
+            down: Linear::load(
+                w,
+                quant,
+                &format!("{path}.down_proj"),
+                intermediate,
+                hidden,
+                bias,
+                opts,
+            )?,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let g = self.gate.forward(x)?;
+        let act = mlx_rs::nn::silu(&g)?;
+        let h = act.multiply(self.up.forward(x)?)?;
+        self.down.forward(&h)
+    }
+}

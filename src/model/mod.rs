@@ -1,0 +1,261 @@
+//! The model runtime: a decoder-only transformer whose only view of KV storage is
+//! [`KvCache`]. One forward serves prefill, chunked prefill, padded prefill and batched
+//! decode; nothing here asks which backend it runs on.
+
+pub mod attention;
+pub mod layers;
+pub mod llama;
+pub mod qwen3;
+pub mod rope;
+
+use std::path::Path;
+
+use mlx_rs::{Array, Dtype};
+
+use crate::checkpoint::{Arch, ModelConfig, WeightStore};
+use crate::dtype::DtypeName;
+use crate::error::{Error, Result};
+use crate::faults::Faults;
+use crate::kv::{KvCache, KvShape, SeqId};
+
+pub use attention::Attention;
+pub use layers::{Embedding, Linear, LoadOptions, Mlp, RmsNorm};
+use rope::Rope;
+
+/// What a family contributes beyond the shared decoder (see `llama.rs`, `qwen3.rs`).
+pub struct FamilySpec {
+    /// Per-head RMSNorm on q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// Whether the output projection is the embedding when config.json does not say.
+    pub tie_by_default: bool,
+}
+
+pub struct Block {
+    pub input_norm: RmsNorm,
+    pub attn: Attention,
+    pub post_norm: RmsNorm,
+    pub mlp: Mlp,
+}
+
+pub struct Model {
+    pub config: ModelConfig,
+    pub dtype: DtypeName,
+    pub dequantized: bool,
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    /// `None`: tied to the embedding.
+    lm_head: Option<Linear>,
+    rope: Rope,
+    pub faults: Faults,
+}
+
+/// One row of a forward step: a sequence and the tokens to append to it. Rows in one step
+/// share a token count; tokens past `n_real` are padding and the logits are taken at the last
+/// real token.
+#[derive(Debug, Clone)]
+pub struct RowStep {
+    pub seq: SeqId,
+    pub tokens: Vec<u32>,
+    pub logits_at: usize,
+}
+
+impl RowStep {
+    pub fn new(seq: SeqId, tokens: Vec<u32>) -> Self {
+        let logits_at = tokens.len().saturating_sub(1);
+        RowStep {
+            seq,
+            tokens,
+            logits_at,
+        }
+    }
+}
+
+impl Model {
+    /// Load a checkpoint directory's weights for `config`. `dtype` of `None` keeps the stored
+    /// float dtype ("native").
+    pub fn load(
+        dir: &Path,
+        config: ModelConfig,
+        dtype: Option<DtypeName>,
+        dequantize: bool,
+    ) -> Result<Self> {
+        let mut weights = WeightStore::load(dir)?;
+        Self::from_weights(&mut weights, config, dtype, dequantize)
+    }
+
+    pub fn from_weights(
+        w: &mut WeightStore,
+        config: ModelConfig,
+        dtype: Option<DtypeName>,
+        dequantize: bool,
+    ) -> Result<Self> {
+        let spec = match config.arch {
+            Arch::Llama => llama::SPEC,
+            Arch::Qwen3 => qwen3::SPEC,
+        };
+        let stored = w
+            .dtype_of("model.norm.weight")
+            .and_then(DtypeName::from_mlx)
+            .unwrap_or(DtypeName::Float32);
+        let dtype_name = dtype.unwrap_or(stored);
+        let opts = LoadOptions {
+            compute: Some(dtype_name.mlx()),
+            dequantize,
+        };
+        let q = config.quantization.as_ref();
+        let c = &config;
+        let embed = Embedding::load(
+            w,
+            q,
+            "model.embed_tokens",
+            c.vocab_size,
+            c.hidden_size,
+            &opts,
+        )?;
+        let mut blocks = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            blocks.push(Block {
+                input_norm: RmsNorm::load(
+                    w,
+                    &format!("{p}.input_layernorm"),
+                    c.hidden_size,
+                    c.rms_norm_eps,
+                    &opts,
+                )?,
+                attn: Attention::load(w, c, &format!("{p}.self_attn"), spec.qk_norm, &opts)?,
+                post_norm: RmsNorm::load(
+                    w,
+                    &format!("{p}.post_attention_layernorm"),
+                    c.hidden_size,
+                    c.rms_norm_eps,
+                    &opts,
+                )?,
+                mlp: Mlp::load(
+                    w,
+                    q,
+                    &format!("{p}.mlp"),
+                    c.hidden_size,
+                    c.intermediate_size,
+                    c.mlp_bias,
+                    &opts,
+                )?,
+            });
+        }
+        let norm = RmsNorm::load(w, "model.norm", c.hidden_size, c.rms_norm_eps, &opts)?;
+        let tied = match c.tie_word_embeddings {
+            Some(t) => t,
+            None => spec.tie_by_default && !w.contains("lm_head.weight"),
+        };
+        let lm_head = if tied {
+            None
+        } else {
+            Some(Linear::load(
+                w,
+                q,
+                "lm_head",
+                c.hidden_size,
+                c.vocab_size,
+                false,
+                &opts,
+            )?)
+        };
+        let rope = Rope::new(c)?;
+        Ok(Model {
+            config,
+            dtype: dtype_name,
+            dequantized: dequantize,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            rope,
+            faults: Faults::NONE,
+        })
+    }
+
+    pub fn kv_shape(&self) -> KvShape {
+        KvShape {
+            layers: self.config.num_layers,
+            kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+            dtype: self.dtype,
+        }
+    }
+
+    pub fn tied_embeddings(&self) -> bool {
+        self.lm_head.is_none()
+    }
+
+    /// Run one step for `rows` and return the logits `[B, vocab]` at each row's `logits_at`.
+    ///
+    /// Each row's K/V rows are reserved in `kv` first; the row's RoPE offset is derived from
+    /// that reservation (the sequence's one counter), never tracked here.
+    pub fn forward(&self, kv: &mut dyn KvCache, rows: &[RowStep]) -> Result<Array> {
+        let t = rows.first().map(|r| r.tokens.len()).unwrap_or(0);
+        if t == 0 || rows.iter().any(|r| r.tokens.len() != t) {
+            return Err(Error::Invalid(
+                "every row of a step needs the same, non-zero number of tokens".into(),
+            ));
+        }
+        if let Some(bad) = rows
+            .iter()
+            .flat_map(|r| &r.tokens)
+            .find(|&&id| id as usize >= self.config.vocab_size)
+        {
+            return Err(Error::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.config.vocab_size
+            )));
+        }
+        let ctx = self.config.max_position_embeddings;
+        let mut starts = Vec::with_capacity(rows.len());
+        for r in rows {
+            let len = kv.len(r.seq)?;
+            if len + t > ctx {
+                return Err(Error::ContextOverflow {
+                    prompt: len,
+                    generate: t,
+                    context: ctx,
+                });
+            }
+            starts.push(kv.reserve(r.seq, t)?);
+        }
+        let b = rows.len() as i32;
+        let ids: Vec<i32> = rows
+            .iter()
+            .flat_map(|r| r.tokens.iter().map(|&x| x as i32))
+            .collect();
+        let ids = Array::from_slice(&ids, &[b, t as i32]);
+        let mut x = self.embed.forward(&ids)?;
+        let ctx = attention::StepContext {
+            rows,
+            starts: &starts,
+            rope: &self.rope,
+            faults: self.faults,
+        };
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let h = block
+                .attn
+                .forward(&block.input_norm.forward(&x)?, layer, kv, &ctx)?;
+            x = x.add(&h)?;
+            let h = block.mlp.forward(&block.post_norm.forward(&x)?)?;
+            x = x.add(&h)?;
+        }
+        // Only the selected position of each row goes through the final norm and the head.
+        let pick: Vec<i32> = rows.iter().map(|r| r.logits_at as i32).collect();
+        let pick = Array::from_slice(&pick, &[b, 1, 1]);
+        let x = x.take_along_axis(&pick, 1)?.squeeze_axes(&[1])?;
+        let x = self.norm.forward(&x)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&x)?,
+            None => self.embed.as_linear(&x)?,
+        };
+        Ok(logits)
+    }
+
+    pub fn compute_dtype(&self) -> Dtype {
+        self.dtype.mlx()
+    }
+}

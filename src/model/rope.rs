@@ -1,0 +1,143 @@
+//! Rotary position embedding, applied to one sequence at a time.
+//!
+//! Regression guard (RoPE stride aliasing): a batched decode tensor `[B, H, 1, D]` must never
+//! be rotated with a single call and a uniform offset. MLX's rope treats axis -2 as the
+//! sequence axis; a "uniform offsets" fast path over the transposed `[B, 1, H, D]` layout once
+//! rotated row b at `offset + b`. [`Rope::apply`] takes a `[1, H, T, D]` row and the row's own
+//! offset; the model calls it per row. The planted fault `rope-batch-alias` reproduces the bug
+//! in [`Rope::apply_batch_aliased`].
+
+use mlx_rs::Array;
+
+use crate::checkpoint::{ModelConfig, RopeScaling};
+use crate::error::{Error, Result};
+
+pub struct Rope {
+    dims: i32,
+    traditional: bool,
+    base: Option<f32>,
+    scale: f32,
+    /// Llama 3 scaling: per-frequency periods passed to MLX instead of `base`.
+    freqs: Option<Array>,
+}
+
+impl Rope {
+    pub fn new(cfg: &ModelConfig) -> Result<Self> {
+        let dims = cfg.head_dim as i32;
+        let base = cfg.rope_theta;
+        let (base, scale, freqs) = match cfg.rope_scaling {
+            RopeScaling::None => (Some(base), 1.0, None),
+            RopeScaling::Linear { factor } => (Some(base), 1.0 / factor, None),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let periods = llama3_periods(
+                    cfg.head_dim,
+                    base,
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                );
+                (
+                    None,
+                    1.0,
+                    Some(Array::from_slice(&periods, &[periods.len() as i32])),
+                )
+            }
+        };
+        Ok(Rope {
+            dims,
+            traditional: cfg.rope_traditional,
+            base,
+            scale,
+            freqs,
+        })
+    }
+
+    /// Rotate `x` (`[1, H, T, D]`, one sequence) whose first row sits at `offset`.
+    pub fn apply(&self, x: &Array, offset: i32) -> Result<Array> {
+        if x.shape()[0] != 1 {
+            return Err(Error::Invalid(format!(
+                "rope on a batch of {} rows: apply per row with each row's own offset",
+                x.shape()[0]
+            )));
+        }
+        Ok(mlx_rs::fast::rope(
+            x,
+            self.dims,
+            self.traditional,
+            self.base,
+            self.scale,
+            offset,
+            self.freqs.as_ref(),
+        )?)
+    }
+
+    /// Planted fault `rope-batch-alias`: the whole `[B, H, 1, D]` decode tensor rotated in one
+    /// call with row 0's offset, the batch axis standing where rope expects the sequence axis
+    /// (what the aliased strides did), so row b is rotated at `offset + b`.
+    pub fn apply_batch_aliased(&self, x: &Array, offset: i32) -> Result<Array> {
+        let as_seq = x.transpose_axes(&[2, 1, 0, 3])?; // [1, H, B, D]
+        let rotated = mlx_rs::fast::rope(
+            &as_seq,
+            self.dims,
+            self.traditional,
+            self.base,
+            self.scale,
+            offset,
+            self.freqs.as_ref(),
+        )?;
+        Ok(rotated.transpose_axes(&[2, 1, 0, 3])?)
+    }
+}
+
+/// Llama 3.1 frequency scaling (as in Meta's reference and mlx-lm): long wavelengths are
+/// stretched by `factor`, short ones kept, the band in between interpolated. Returns periods
+/// (`1 / inv_freq`), the form MLX's rope takes as `freqs`.
+fn llama3_periods(
+    head_dim: usize,
+    base: f32,
+    factor: f32,
+    low: f32,
+    high: f32,
+    old_ctx: f32,
+) -> Vec<f32> {
+    let low_wavelen = old_ctx / low;
+    let high_wavelen = old_ctx / high;
+    (0..head_dim)
+        .step_by(2)
+        .map(|i| {
+            let period = base.powf(i as f32 / head_dim as f32);
+            let wavelen = 2.0 * std::f32::consts::PI * period;
+            if wavelen > low_wavelen {
+                period * factor
+            } else if wavelen > high_wavelen && wavelen < low_wavelen {
+                let smooth = (old_ctx / wavelen - low) / (high - low);
+                period / ((1.0 - smooth) / factor + smooth)
+            } else {
+                period
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_periods_keep_short_and_stretch_long_wavelengths() {
+        let p = llama3_periods(64, 500_000.0, 32.0, 1.0, 4.0, 8192.0);
+        assert_eq!(p.len(), 32);
+        assert_eq!(p[0], 1.0, "highest frequency untouched");
+        let unscaled_last = 500_000f32.powf(62.0 / 64.0);
+        assert!(
+            (p[31] / unscaled_last - 32.0).abs() < 1e-3,
+            "lowest frequency stretched by factor"
+        );
+    }
+}
