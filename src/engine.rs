@@ -22,6 +22,13 @@ pub fn greedy(logits: &Array) -> Result<Vec<u32>> {
     Ok(ids.as_slice::<u32>().to_vec())
 }
 
+/// A small array's values on the host as f32 (contiguous copy first; views are not).
+pub fn host_f32(a: &Array) -> Result<Vec<f32>> {
+    let a = a.as_dtype(mlx_rs::Dtype::Float32)?.contiguous()?;
+    a.eval()?;
+    Ok(a.as_slice::<f32>().to_vec())
+}
+
 /// Split `[B, vocab]` into B rows of `[vocab]`.
 pub fn rows(logits: &Array) -> Result<Vec<Array>> {
     use mlx_rs::ops::indexing::IndexOp;

@@ -12,6 +12,7 @@ pub mod dtype;
 pub mod engine;
 pub mod error;
 pub mod faults;
+pub mod fixture;
 pub mod kv;
 pub mod model;
 

@@ -46,7 +46,8 @@ fn looks_like_repo_id(reference: &str) -> bool {
 /// Resolve a checkpoint reference to a directory without touching the network.
 ///
 /// `base` is the directory relative paths are resolved against (a suite file's directory, or
-/// the current directory on the command line).
+/// the current directory on the command line). A reference ending in `.toml` is a fixture
+/// spec: the tiny checkpoint it describes is generated on first use (see [`crate::fixture`]).
 pub fn resolve(reference: &str, base: &Path) -> Result<PathBuf> {
     let expanded = expand_home(reference);
     let local = if expanded.is_absolute() {
@@ -54,6 +55,16 @@ pub fn resolve(reference: &str, base: &Path) -> Result<PathBuf> {
     } else {
         base.join(&expanded)
     };
+    if reference.ends_with(".toml") {
+        if local.is_file() {
+            return crate::fixture::materialize(&local);
+        }
+        return Err(Error::CheckpointNotFound {
+            reference: reference.to_string(),
+            searched: vec![local],
+            hint: "a `.toml` checkpoint is a fixture spec (see fixtures/)".into(),
+        });
+    }
     let mut searched = vec![local.clone()];
     if local.join("config.json").is_file() {
         return Ok(local);

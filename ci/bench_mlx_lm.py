@@ -1,0 +1,219 @@
+"""Baseline: mlx-lm's plain greedy decode speed on a checkpoint, for `parity bench` to print
+beside its own numbers. Run it through ci/bench-mlx-lm, which sets up the pinned venv.
+
+Both sides must do the same work for the numbers to mean anything, so this measures exactly
+what parity does, not what mlx-lm's `generate` does at its fastest: one prompt forward pass on
+a fresh cache, then one synchronous forward pass per token (no async_eval pipelining, no
+chunked prefill, no compiled sampler), with the same synthetic prompt ids (`prompt_ids`).
+
+Token convention (shared with parity's engine::generate): the prefill's argmax is the first
+greedy token; each of the `--decode` steps feeds the previous token back and yields the next.
+So `greedy_tokens` has decode + 1 entries, and a parity run of N tokens should equal its first
+N entries.
+"""
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+from mlx.utils import tree_map_with_path
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def prompt_ids(prompt_len, vocab_size):
+    # The same formula is in parity: any change here must be made there too, or the two
+    # runs stop computing the same thing (and greedy_tokens stops matching).
+    if vocab_size >= 21000:
+        return [1000 + (i * 7919) % 20000 for i in range(prompt_len)]
+    return [3 + (i * 7919) % (vocab_size - 3) for i in range(prompt_len)]
+
+
+def cast_model(model, dtype):
+    # As `mlx_lm convert --dtype` does: every floating parameter is cast, which for quantized
+    # layers includes scales and biases (the packed uint32 weights are left alone), so the
+    # whole forward pass runs in `dtype`. Casting only the float weights would leave bf16
+    # scales, and the dequantized matmuls would round through bf16. Some architectures keep
+    # a few parameters (MoE router biases, ...) in their own dtype via `cast_predicate`.
+    keep = getattr(model, "cast_predicate", lambda _: True)
+
+    def cast(path, value):
+        if keep(path) and mx.issubdtype(value.dtype, mx.floating):
+            return value.astype(dtype)
+        return value
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+    mx.eval(model.parameters())
+
+
+def greedy_run(model, ids, steps, timed):
+    """Prefill `ids`, then `steps` single-token decode steps. Returns (tokens, times) where
+    times = (prefill_s, ttft_s, decode_s) if `timed`, else None."""
+    # Built before the clock starts: the cache is empty until the first forward pass, and
+    # the previous run's cache is freed here rather than inside a timed region.
+    cache = make_prompt_cache(model)
+    prompt = mx.array([ids], dtype=mx.uint32)
+    mx.eval(prompt)
+
+    t0 = time.perf_counter()
+    logits = model(prompt, cache=cache)[:, -1, :]
+    mx.eval(logits)
+    t1 = time.perf_counter()
+    token = mx.argmax(logits, axis=-1)
+    mx.eval(token)
+    t2 = time.perf_counter()
+
+    # Each step waits for its token on the host before building the next input, as parity
+    # does; mlx-lm's generate_step would instead queue step n+1 before reading token n.
+    tokens = [token.item()]
+    for _ in range(steps):
+        logits = model(mx.array([[tokens[-1]]], dtype=mx.uint32), cache=cache)[:, -1, :]
+        token = mx.argmax(logits, axis=-1)
+        mx.eval(token)
+        tokens.append(token.item())
+    t3 = time.perf_counter()
+
+    return tokens, ((t1 - t0, t2 - t0, t3 - t2) if timed else None)
+
+
+def blas_in_use():
+    if sys.platform == "darwin":
+        return "accelerate"
+    # Which library the dynamic loader actually mapped, not what the venv was meant to
+    # have: a pip reinstall of mlx-cpu silently brings netlib back.
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return "unknown"
+    if "libopenblas" in maps:
+        return "openblas"
+    if "mlx_cpu.libs/libblas-" in maps:
+        return "netlib"
+    return "unknown"
+
+
+def summary(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def check_reference(model, path):
+    with open(path) as f:
+        ref = json.load(f)
+    failures = 0
+    for n, case in enumerate(ref["cases"]):
+        want = case["greedy"]
+        got, _ = greedy_run(model, case["prompt_ids"], len(want) - 1, timed=False)
+        label = case.get("text", f"case {n}")
+        if got == want:
+            print(f"ok       {label!r}: {len(want)} tokens match")
+        else:
+            failures += 1
+            at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            print(f"MISMATCH {label!r}: first difference at step {at}")
+            print(f"  want {want}\n  got  {got}")
+    print(f"{len(ref['cases']) - failures} passed, {failures} failed")
+    return failures == 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--check-reference",
+        metavar="PATH",
+        help="instead of benchmarking, check greedy tokens against an mlx-lm reference file",
+    )
+    args = p.parse_args()
+    for name in ("prompt_len", "decode", "reps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+
+    # There is no GPU on Linux here; CPU on macOS would understate mlx-lm against Metal.
+    if sys.platform != "darwin":
+        mx.set_default_device(mx.cpu)
+    device = "cpu" if mx.default_device().type == mx.DeviceType.cpu else "gpu"
+
+    model, _tokenizer, config = load(args.checkpoint, return_config=True)
+    cast_model(model, DTYPES[args.dtype])
+
+    if args.check_reference:
+        with open(args.check_reference) as f:
+            ref_dtype = json.load(f).get("dtype")
+        if ref_dtype and ref_dtype != args.dtype:
+            p.error(f"the reference was made at {ref_dtype}; pass --dtype {ref_dtype}")
+        sys.exit(0 if check_reference(model, args.check_reference) else 1)
+
+    vocab_size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if not vocab_size or vocab_size <= 3:
+        sys.exit(f"error: no usable vocab_size in {args.checkpoint}/config.json")
+    ids = prompt_ids(args.prompt_len, vocab_size)
+
+    # The warm-up pays for first-touch page faults, BLAS thread start-up and MLX's
+    # allocator growing its pool, none of which a steady-state number should include.
+    greedy_tokens, _ = greedy_run(model, ids, args.decode, timed=False)
+    prefill_tps, decode_tps, ttft_ms = [], [], []
+    for _ in range(args.reps):
+        gc.collect()
+        tokens, (prefill_s, ttft_s, decode_s) = greedy_run(model, ids, args.decode, timed=True)
+        if tokens != greedy_tokens:
+            # Greedy decoding is deterministic on one machine; a difference means the timed
+            # runs did not do the work the reported tokens describe.
+            sys.exit("error: greedy tokens differ between repetitions")
+        prefill_tps.append(args.prompt_len / prefill_s)
+        decode_tps.append(args.decode / decode_s)
+        ttft_ms.append(ttft_s * 1000)
+
+    result = {
+        "runtime": "mlx-lm",
+        "mlx_lm_version": importlib.metadata.version("mlx-lm"),
+        "mlx_version": mx.__version__,
+        "checkpoint": os.path.abspath(args.checkpoint),
+        "dtype": args.dtype,
+        "prompt_len": args.prompt_len,
+        "decode": args.decode,
+        "reps": args.reps,
+        "prefill_tps": summary(prefill_tps),
+        "decode_tps": summary(decode_tps),
+        "ttft_ms": summary(ttft_ms),
+        "device": device,
+        "blas": blas_in_use(),
+        "greedy_tokens": greedy_tokens,
+    }
+
+    print(
+        f"mlx-lm {result['mlx_lm_version']} (mlx {result['mlx_version']}, {device}, "
+        f"{result['blas']}), {args.dtype}, prompt {args.prompt_len}, decode {args.decode}, "
+        f"{args.reps} reps after 1 warm-up"
+    )
+    print(f"{'':16}{'median':>10}{'min':>10}{'max':>10}")
+    for label, key in (
+        ("prefill tok/s", "prefill_tps"),
+        ("decode tok/s", "decode_tps"),
+        ("TTFT ms", "ttft_ms"),
+    ):
+        s = result[key]
+        print(f"{label:16}{s['median']:10.1f}{s['min']:10.1f}{s['max']:10.1f}")
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
