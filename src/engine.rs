@@ -9,7 +9,7 @@ use crate::model::{Model, RowStep};
 
 /// The tokens a path produced and, per step, the full logits row that selected each token
 /// (kept on the device; comparisons reduce them there).
-#[derive(Clone, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Trace {
     pub tokens: Vec<u32>,
     pub logits: Vec<Array>,

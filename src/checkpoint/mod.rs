@@ -16,19 +16,19 @@ use crate::error::{Error, Result};
 /// Where the Hugging Face cache is: `HF_HUB_CACHE`, else `HF_HOME/hub`, else
 /// `~/.cache/huggingface/hub` (the same order as `huggingface_hub`).
 pub fn hf_cache_dir() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("HF_HUB_CACHE").filter(|p| !p.is_empty()) {
-        return Some(PathBuf::from(p));
+    hf_cache_dir_from(|name| std::env::var_os(name))
+}
+
+/// [`hf_cache_dir`] over any environment (tests pass their own).
+pub fn hf_cache_dir_from(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<PathBuf> {
+    let var = |name: &str| env(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(p) = var("HF_HUB_CACHE") {
+        return Some(p);
     }
-    if let Some(p) = std::env::var_os("HF_HOME").filter(|p| !p.is_empty()) {
-        return Some(PathBuf::from(p).join("hub"));
+    if let Some(p) = var("HF_HOME") {
+        return Some(p.join("hub"));
     }
-    let home = std::env::var_os("HOME").filter(|p| !p.is_empty())?;
-    Some(
-        PathBuf::from(home)
-            .join(".cache")
-            .join("huggingface")
-            .join("hub"),
-    )
+    Some(var("HOME")?.join(".cache").join("huggingface").join("hub"))
 }
 
 fn looks_like_repo_id(reference: &str) -> bool {
@@ -49,6 +49,11 @@ fn looks_like_repo_id(reference: &str) -> bool {
 /// the current directory on the command line). A reference ending in `.toml` is a fixture
 /// spec: the tiny checkpoint it describes is generated on first use (see [`crate::fixture`]).
 pub fn resolve(reference: &str, base: &Path) -> Result<PathBuf> {
+    resolve_in(reference, base, hf_cache_dir())
+}
+
+/// [`resolve`] with an explicit Hugging Face cache directory.
+pub fn resolve_in(reference: &str, base: &Path, hf_cache: Option<PathBuf>) -> Result<PathBuf> {
     let expanded = expand_home(reference);
     let local = if expanded.is_absolute() {
         expanded.clone()
@@ -76,7 +81,7 @@ pub fn resolve(reference: &str, base: &Path) -> Result<PathBuf> {
         ));
     }
     if looks_like_repo_id(reference) {
-        if let Some(cache) = hf_cache_dir() {
+        if let Some(cache) = hf_cache {
             let repo = cache.join(format!("models--{}", reference.replace('/', "--")));
             searched.push(repo.clone());
             if let Some(snapshot) = hf_snapshot(&repo) {

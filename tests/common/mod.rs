@@ -1,0 +1,67 @@
+//! Shared test helpers: where the fixtures and the shared checkpoint are.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use parity::checkpoint::{self, ModelConfig, Tokenizer};
+use parity::dtype::DtypeName;
+use parity::model::Model;
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The read-only directory with the real checkpoint and references: `PARITY_SHARED`, else
+/// `../shared` next to the repository (where CI has it).
+pub fn shared() -> PathBuf {
+    let dir = std::env::var_os("PARITY_SHARED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("..").join("shared"));
+    assert!(
+        dir.join("checkpoints").is_dir(),
+        "shared test data not found at {} (set PARITY_SHARED)",
+        dir.display()
+    );
+    dir
+}
+
+pub fn smollm2() -> PathBuf {
+    shared()
+        .join("checkpoints")
+        .join("smollm2-135m-instruct-4bit")
+}
+
+/// Generate (once) and return the directory of fixture `name` (fixtures/<name>.toml).
+pub fn fixture(name: &str) -> PathBuf {
+    let spec = repo().join("fixtures").join(format!("{name}.toml"));
+    checkpoint::resolve(spec.to_str().expect("utf-8 path"), &repo()).expect("fixture")
+}
+
+pub fn load(dir: &std::path::Path) -> (Model, Tokenizer) {
+    let config = ModelConfig::load(dir).expect("config");
+    let model = Model::load(dir, config, Some(DtypeName::Float32), false).expect("model");
+    (model, Tokenizer::load(dir).expect("tokenizer"))
+}
+
+/// A scratch directory under target/, fresh per call.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = repo()
+        .join("target")
+        .join("test-scratch")
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+/// Copy a checkpoint directory (files only) so a test can break one file.
+pub fn copy_checkpoint(src: &std::path::Path, name: &str) -> PathBuf {
+    let dst = scratch(name);
+    for entry in std::fs::read_dir(src).expect("read dir") {
+        let p = entry.expect("entry").path();
+        if p.is_file() {
+            std::fs::copy(&p, dst.join(p.file_name().expect("name"))).expect("copy");
+        }
+    }
+    dst
+}
