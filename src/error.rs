@@ -38,11 +38,11 @@ pub enum Error {
     },
 
     #[error(
-        "prompt of {prompt} tokens plus {generate} to generate exceeds the context of {context} (max_position_embeddings in config.json)"
+        "a sequence of {held} tokens plus {adding} new ones exceeds the context of {context} (max_position_embeddings in config.json)"
     )]
     ContextOverflow {
-        prompt: usize,
-        generate: usize,
+        held: usize,
+        adding: usize,
         context: usize,
     },
 

@@ -215,8 +215,8 @@ impl Model {
             let len = kv.len(r.seq)?;
             if len + t > ctx {
                 return Err(Error::ContextOverflow {
-                    prompt: len,
-                    generate: t,
+                    held: len,
+                    adding: t,
                     context: ctx,
                 });
             }
