@@ -8,6 +8,7 @@
 
 pub mod checkpoint;
 pub mod cli;
+pub mod compare;
 pub mod dtype;
 pub mod engine;
 pub mod error;
@@ -15,6 +16,7 @@ pub mod faults;
 pub mod fixture;
 pub mod kv;
 pub mod model;
+pub mod scenario;
 
 pub use error::{Error, Result};
 

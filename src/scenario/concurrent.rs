@@ -1,0 +1,104 @@
+//! concurrent: continuous batching. Requests arrive at given steps, join the running batch
+//! (prefilled on arrival) while there is room, decode together, and leave when done; a
+//! finished paged row releases its blocks and later rows reuse them. Every request is
+//! compared with its own dense single reference. Same schedule, same result.
+
+use super::{CaseOutput, Harness, Live, Prompt, case, decode_step, prefill};
+use crate::error::{Error, Result};
+use crate::kv::Backend;
+
+struct Request {
+    index: usize,
+    prompt: Prompt,
+    arrival: usize,
+    joined: Option<usize>,
+    live: Live,
+}
+
+pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
+    let s = h.settings.concurrent.clone();
+    if prompts.is_empty() || s.requests == 0 || s.max_batch == 0 || s.arrivals.is_empty() {
+        return Err(Error::Invalid(
+            "concurrent needs prompts, requests > 0, max_batch > 0 and arrivals".into(),
+        ));
+    }
+    let max_tokens = h.settings.max_tokens;
+    let mut kv = h.kv(backend)?;
+    let mut pending = Vec::new();
+    for j in 0..s.requests {
+        let prompt = prompts[j % prompts.len()].clone();
+        let reference = h.reference(&prompt.ids)?;
+        // Staggered lengths, so rows leave at different steps as well as join at them.
+        let steps = max_tokens.saturating_sub((j % 3) * (max_tokens / 4)).max(1);
+        let live = Live::new(kv.create(0)?, &reference, steps);
+        pending.push(Request {
+            index: j,
+            prompt,
+            arrival: s.arrivals[j % s.arrivals.len()],
+            joined: None,
+            live,
+        });
+    }
+    // Requests keep their creation order among equal arrivals.
+    pending.sort_by_key(|r| (r.arrival, r.index));
+    let mut pending = std::collections::VecDeque::from(pending);
+    let mut active: Vec<Request> = Vec::new();
+    let mut finished: Vec<Request> = Vec::new();
+    let mut step = 0;
+    let mut peak_batch = 0;
+    while !pending.is_empty() || !active.is_empty() {
+        while active.len() < s.max_batch && pending.front().is_some_and(|r| r.arrival <= step) {
+            let Some(mut r) = pending.pop_front() else {
+                break;
+            };
+            prefill(h.model, kv.as_mut(), &mut r.live, &r.prompt.ids)?;
+            r.joined = Some(step);
+            active.push(r);
+        }
+        retire(kv.as_mut(), &mut active, &mut finished)?;
+        if active.is_empty() {
+            if let Some(next) = pending.front() {
+                step = step.max(next.arrival);
+            }
+            continue;
+        }
+        peak_batch = peak_batch.max(active.len());
+        let mut lives: Vec<&mut Live> = active.iter_mut().map(|r| &mut r.live).collect();
+        decode_step(h.model, kv.as_mut(), &mut lives)?;
+        retire(kv.as_mut(), &mut active, &mut finished)?;
+        step += 1;
+    }
+    finished.sort_by_key(|r| r.index);
+    Ok(finished
+        .into_iter()
+        .map(|r| {
+            let mut c = case(format!("req{}", r.index), &r.prompt, vec![r.live.trace]);
+            c.notes.push(format!(
+                "arrived step {}, joined step {}, {} steps, peak batch {peak_batch}",
+                r.arrival,
+                r.joined.unwrap_or(r.arrival),
+                r.live.steps
+            ));
+            c
+        })
+        .collect())
+}
+
+/// Finished rows leave the batch and give their storage back.
+fn retire(
+    kv: &mut dyn crate::kv::KvCache,
+    active: &mut Vec<Request>,
+    finished: &mut Vec<Request>,
+) -> Result<()> {
+    let mut i = 0;
+    while i < active.len() {
+        if active[i].live.done() {
+            let r = active.remove(i);
+            kv.release(r.live.seq)?;
+            finished.push(r);
+        } else {
+            i += 1;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,372 @@
+//! Decode scenarios: the ways an engine batches, pads, chunks, trims and shares sequences.
+//! Each scenario is a small module that builds a plan and runs it on one backend through the
+//! same [`Model::forward`]; adding one never touches the model code.
+//!
+//! Every path is teacher-forced with its prompt's reference tokens (the dense single-sequence
+//! unpadded run): at each step the path's own greedy choice and its full logits row are
+//! recorded, and the reference token is fed next. The first divergence is therefore the first
+//! step where the path would have chosen differently, and after it the metrics keep measuring
+//! the same computation, so a tie at step 5 cannot hide a RoPE bug at step 20.
+
+pub mod batch2;
+pub mod chunked;
+pub mod concurrent;
+pub mod padded;
+pub mod prefix;
+pub mod rollback;
+pub mod single;
+
+use std::collections::HashMap;
+
+use mlx_rs::Array;
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{self, Trace};
+use crate::error::{Error, Result};
+use crate::faults::Faults;
+use crate::kv::{Backend, DenseCache, KvCache, PagedBlockPool, PoolOptions, SeqId};
+use crate::model::{Model, RowStep};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scenario {
+    Single,
+    Batch2,
+    Concurrent,
+    Padded,
+    Chunked,
+    Rollback,
+    Prefix,
+}
+
+pub const ALL: &[Scenario] = &[
+    Scenario::Single,
+    Scenario::Batch2,
+    Scenario::Concurrent,
+    Scenario::Padded,
+    Scenario::Chunked,
+    Scenario::Rollback,
+    Scenario::Prefix,
+];
+
+impl Scenario {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::Single => "single",
+            Scenario::Batch2 => "batch2",
+            Scenario::Concurrent => "concurrent",
+            Scenario::Padded => "padded",
+            Scenario::Chunked => "chunked",
+            Scenario::Rollback => "rollback",
+            Scenario::Prefix => "prefix",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Scenario> {
+        ALL.iter().copied().find(|x| x.name() == s)
+    }
+
+    pub fn run(
+        self,
+        h: &mut Harness,
+        backend: Backend,
+        prompts: &[Prompt],
+    ) -> Result<Vec<CaseOutput>> {
+        match self {
+            Scenario::Single => single::run(h, backend, prompts),
+            Scenario::Batch2 => batch2::run(h, backend, prompts),
+            Scenario::Concurrent => concurrent::run(h, backend, prompts),
+            Scenario::Padded => padded::run(h, backend, prompts),
+            Scenario::Chunked => chunked::run(h, backend, prompts),
+            Scenario::Rollback => rollback::run(h, backend, prompts),
+            Scenario::Prefix => prefix::run(h, backend, prompts),
+        }
+    }
+}
+
+/// Scenario settings, from the suite (with these defaults).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Settings {
+    /// Greedy steps per path (the reference's length).
+    pub max_tokens: usize,
+    /// Rows per KV block (paged backend).
+    pub block_size: usize,
+    /// Padded prefill pads prompts to a multiple of this many rows.
+    pub tile: usize,
+    /// Chunked prefill chunk size.
+    pub chunk: usize,
+    /// Rollback: draft tokens decoded then trimmed, as speculative decoding does on rejection.
+    pub lookahead: usize,
+    /// Rollback: roll back after every this many decode steps.
+    pub rollback_every: usize,
+    pub concurrent: ConcurrentSettings,
+    /// Poison freed and trimmed paged rows with NaN (see `kv::paged`).
+    pub poison: bool,
+    /// Paged pool budget in blocks (none: grow as needed).
+    pub pool_blocks: Option<usize>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            max_tokens: 16,
+            block_size: 32,
+            tile: 32,
+            chunk: 5,
+            lookahead: 4,
+            rollback_every: 5,
+            concurrent: ConcurrentSettings::default(),
+            poison: true,
+            pool_blocks: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConcurrentSettings {
+    /// Number of requests (prompts are taken round-robin from the suite's prompts).
+    pub requests: usize,
+    /// Decode step at which each request arrives (cycled if shorter than `requests`).
+    pub arrivals: Vec<usize>,
+    /// Most rows decoded together; later arrivals wait for a finished row's slot.
+    pub max_batch: usize,
+}
+
+impl Default for ConcurrentSettings {
+    fn default() -> Self {
+        ConcurrentSettings {
+            requests: 5,
+            arrivals: vec![0, 0, 2, 3, 6],
+            max_batch: 3,
+        }
+    }
+}
+
+/// A prompt as the scenarios see it: a name for reports and its token ids.
+#[derive(Debug, Clone)]
+pub struct Prompt {
+    pub name: String,
+    pub ids: Vec<u32>,
+}
+
+/// Layout facts about one step of a path, for locating a divergence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StepLayout {
+    /// KV row of the token fed at this step (the last prompt token at step 0).
+    pub kv_row: usize,
+    /// RoPE position of that token (kv_row minus any masked left padding).
+    pub position: usize,
+    pub batch_row: usize,
+    pub batch_size: usize,
+    /// Pad rows trimmed before this step (padded scenario).
+    pub pads_trimmed: usize,
+}
+
+/// One sequence's run: per step, its greedy choice, its logits and where it was.
+#[derive(Debug, Clone, Default)]
+pub struct PathTrace {
+    pub tokens: Vec<u32>,
+    pub logits: Vec<Array>,
+    pub layout: Vec<StepLayout>,
+}
+
+/// The outcome of one case of a scenario on one backend: the paths that share a prompt.
+#[derive(Debug, Clone)]
+pub struct CaseOutput {
+    /// e.g. `same`, `ragged`, `req3`, `tile`, `while-running`.
+    pub case: String,
+    pub prompt: Prompt,
+    pub paths: Vec<PathTrace>,
+    /// Facts worth printing next to the verdict (e.g. `padded 37 -> 64, trimmed 27`).
+    pub notes: Vec<String>,
+}
+
+/// What scenarios share for one checkpoint: the model, the settings, the planted faults, and
+/// the dense single-sequence references (computed once per prompt, reused by every scenario
+/// and backend).
+pub struct Harness<'m> {
+    pub model: &'m Model,
+    pub settings: Settings,
+    pub faults: Faults,
+    references: HashMap<Vec<u32>, Trace>,
+}
+
+impl<'m> Harness<'m> {
+    pub fn new(model: &'m Model, settings: Settings, faults: Faults) -> Self {
+        Harness {
+            model,
+            settings,
+            faults,
+            references: HashMap::new(),
+        }
+    }
+
+    /// The reference for `prompt`: dense, one sequence, unpadded, greedy.
+    pub fn reference(&mut self, prompt: &[u32]) -> Result<Trace> {
+        if let Some(t) = self.references.get(prompt) {
+            return Ok(t.clone());
+        }
+        let mut kv = DenseCache::new(self.model.kv_shape());
+        let (_, trace) = engine::generate(self.model, &mut kv, prompt, self.settings.max_tokens)?;
+        self.references.insert(prompt.to_vec(), trace.clone());
+        Ok(trace)
+    }
+
+    /// A fresh KV store of `backend` with this harness's settings and faults.
+    pub fn kv(&self, backend: Backend) -> Result<Box<dyn KvCache>> {
+        Ok(match backend {
+            Backend::Dense => Box::new(DenseCache::new(self.model.kv_shape())),
+            Backend::Paged => Box::new(PagedBlockPool::new(
+                self.model.kv_shape(),
+                PoolOptions {
+                    block_size: self.settings.block_size,
+                    max_blocks: self.settings.pool_blocks,
+                    poison: self.settings.poison,
+                    ..PoolOptions::default()
+                },
+                self.faults,
+            )?),
+        })
+    }
+
+    /// The token used for padding: the checkpoint's pad token, else its first EOS, else 0.
+    pub fn pad_token(&self) -> u32 {
+        let c = &self.model.config;
+        c.pad_token_id
+            .or_else(|| c.eos_token_ids.first().copied())
+            .unwrap_or(0)
+    }
+}
+
+/// A sequence being decoded under teacher forcing.
+pub struct Live {
+    pub seq: SeqId,
+    pub forced: Vec<u32>,
+    pub trace: PathTrace,
+    /// Steps this path runs (at most the reference's length).
+    pub steps: usize,
+    pub pads_trimmed: usize,
+}
+
+impl Live {
+    pub fn new(seq: SeqId, reference: &Trace, steps: usize) -> Self {
+        Live {
+            seq,
+            forced: reference.tokens.clone(),
+            trace: PathTrace::default(),
+            steps: steps.min(reference.tokens.len()),
+            pads_trimmed: 0,
+        }
+    }
+
+    pub fn done(&self) -> bool {
+        self.trace.tokens.len() >= self.steps
+    }
+
+    /// The token to feed next: the reference's choice at the last recorded step.
+    pub fn next_input(&self) -> Result<u32> {
+        let i = self
+            .trace
+            .tokens
+            .len()
+            .checked_sub(1)
+            .ok_or_else(|| Error::Invalid("no step recorded yet".into()))?;
+        Ok(self.forced[i])
+    }
+
+    fn record(&mut self, token: u32, logits: Array, layout: StepLayout) {
+        self.trace.tokens.push(token);
+        self.trace.logits.push(logits);
+        self.trace.layout.push(layout);
+    }
+}
+
+/// Record one step for `rows` from a forward's logits `[B, vocab]`. `fed_rows[i]` is the KV
+/// row of the token whose logits these are.
+pub fn record_step(
+    kv: &dyn KvCache,
+    lives: &mut [&mut Live],
+    logits: &Array,
+    fed_rows: &[usize],
+) -> Result<()> {
+    let tokens = engine::greedy(logits)?;
+    let rows = engine::rows(logits)?;
+    let b = lives.len();
+    for (i, ((live, token), row)) in lives.iter_mut().zip(tokens).zip(rows).enumerate() {
+        let masked = kv.masked_prefix(live.seq)?;
+        let layout = StepLayout {
+            kv_row: fed_rows[i],
+            position: fed_rows[i].saturating_sub(masked),
+            batch_row: i,
+            batch_size: b,
+            pads_trimmed: live.pads_trimmed,
+        };
+        live.record(token, row, layout);
+    }
+    Ok(())
+}
+
+/// One batched decode step: every live row feeds its forced token.
+pub fn decode_step(model: &Model, kv: &mut dyn KvCache, lives: &mut [&mut Live]) -> Result<()> {
+    let mut steps = Vec::with_capacity(lives.len());
+    let mut fed = Vec::with_capacity(lives.len());
+    for l in lives.iter() {
+        fed.push(kv.len(l.seq)?);
+        steps.push(RowStep::new(l.seq, vec![l.next_input()?]));
+    }
+    let logits = model.forward(kv, &steps)?;
+    record_step(kv, lives, &logits, &fed)
+}
+
+/// Prefill one sequence (B=1) and record its first step.
+pub fn prefill(model: &Model, kv: &mut dyn KvCache, live: &mut Live, prompt: &[u32]) -> Result<()> {
+    let start = kv.len(live.seq)?;
+    let logits = model.forward(kv, &[RowStep::new(live.seq, prompt.to_vec())])?;
+    record_step(kv, &mut [live], &logits, &[start + prompt.len() - 1])
+}
+
+/// Decode every live row, batched, until each has run its steps.
+pub fn decode_all(model: &Model, kv: &mut dyn KvCache, lives: &mut [Live]) -> Result<()> {
+    loop {
+        let mut active: Vec<&mut Live> = lives.iter_mut().filter(|l| !l.done()).collect();
+        if active.is_empty() {
+            return Ok(());
+        }
+        decode_step(model, kv, &mut active)?;
+    }
+}
+
+/// Trim exactly `n` rows, or fail: the guard against a trim that silently does less (the
+/// pool-backed trim no-op returned 0 and decode attended the pad rows).
+pub fn trim_exact(kv: &mut dyn KvCache, seq: SeqId, n: usize) -> Result<()> {
+    let before = kv.len(seq)?;
+    let trimmed = kv.trim(seq, n)?;
+    let after = kv.len(seq)?;
+    if trimmed != n || after + n != before {
+        return Err(Error::Kv(format!(
+            "trim of {n} rows removed {trimmed} (length {before} -> {after}, expected {})",
+            before.saturating_sub(n)
+        )));
+    }
+    Ok(())
+}
+
+/// `(a, b)` pairs of distinct-length prompts for ragged batches: each prompt with the next one
+/// of a different length (cyclically); prompts with no such partner are skipped.
+pub fn ragged_partner(prompts: &[Prompt], i: usize) -> Option<usize> {
+    let n = prompts.len();
+    (1..n)
+        .map(|k| (i + k) % n)
+        .find(|&j| prompts[j].ids.len() != prompts[i].ids.len())
+}
+
+pub fn case(case: impl Into<String>, prompt: &Prompt, paths: Vec<PathTrace>) -> CaseOutput {
+    CaseOutput {
+        case: case.into(),
+        prompt: prompt.clone(),
+        paths,
+        notes: Vec::new(),
+    }
+}

@@ -1,0 +1,78 @@
+//! Every scenario on both backends on the tiny fixtures gives the dense reference's tokens,
+//! with logits that match to float32 noise.
+
+mod common;
+
+use parity::compare::{self, Verdict};
+use parity::dtype::DtypeName;
+use parity::faults::Faults;
+use parity::kv::Backend;
+use parity::scenario::{self, Harness, Prompt, Settings};
+
+/// Lengths that cross every boundary of block size 4 and tile 8: block-1, block+1, tile-1,
+/// tile+1, an exact multiple, and a longer one.
+fn prompts() -> Vec<Prompt> {
+    let text = "The quick brown fox jumps over the lazy dog while parity checks the cache";
+    [3, 5, 7, 9, 16, 21]
+        .into_iter()
+        .map(|n| Prompt {
+            name: format!("len{n}"),
+            ids: text.as_bytes()[..n].iter().map(|&b| b as u32).collect(),
+        })
+        .collect()
+}
+
+fn settings() -> Settings {
+    Settings {
+        max_tokens: 12,
+        block_size: 4,
+        tile: 8,
+        chunk: 5,
+        lookahead: 3,
+        rollback_every: 4,
+        ..Settings::default()
+    }
+}
+
+#[test]
+fn every_scenario_matches_the_reference_on_both_backends() {
+    for fixture in ["llama-tiny", "qwen3-tiny"] {
+        let (model, _) = common::load(&common::fixture(fixture));
+        let mut h = Harness::new(&model, settings(), Faults::NONE);
+        let prompts = prompts();
+        for &sc in scenario::ALL {
+            for backend in [Backend::Dense, Backend::Paged] {
+                let cases = sc
+                    .run(&mut h, backend, &prompts)
+                    .unwrap_or_else(|e| panic!("{fixture} {} {}: {e}", sc.name(), backend.name()));
+                assert!(!cases.is_empty(), "{} produced no cases", sc.name());
+                for c in cases {
+                    let reference = h.reference(&c.prompt.ids).unwrap();
+                    for (row, path) in c.paths.iter().enumerate() {
+                        assert!(!path.tokens.is_empty());
+                        let cmp =
+                            compare::compare(&reference, path, DtypeName::Float32, 1e-3).unwrap();
+                        let what = format!(
+                            "{fixture} {} {} {} {} row {row}",
+                            sc.name(),
+                            c.case,
+                            c.prompt.name,
+                            backend.name()
+                        );
+                        assert!(
+                            matches!(cmp.verdict, Verdict::Identical | Verdict::NearTie),
+                            "{what}: {:?} {:?}",
+                            cmp.verdict,
+                            cmp.first_divergence
+                        );
+                        assert!(
+                            cmp.max_rel_rms < 1e-4,
+                            "{what}: rel RMS {}",
+                            cmp.max_rel_rms
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
