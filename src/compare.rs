@@ -157,7 +157,7 @@ fn logit(row: &Array, token: u32) -> Result<f32> {
     use mlx_rs::ops::indexing::IndexOp;
     let v = row.index(token as i32).as_dtype(mlx_rs::Dtype::Float32)?;
     v.eval()?;
-    Ok(v.item::<f32>())
+    Ok(v.item_exact::<f32>())
 }
 
 /// Compare one path with its reference. `tolerance` is the largest relative RMS a near-tie

@@ -16,7 +16,11 @@ pub mod faults;
 pub mod fixture;
 pub mod kv;
 pub mod model;
+pub mod report;
+pub mod run;
+pub mod runtime;
 pub mod scenario;
+pub mod suite;
 
 pub use error::{Error, Result};
 

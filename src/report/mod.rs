@@ -1,0 +1,198 @@
+//! The result of a suite run, and its renderings: JSON (full precision, the machine report),
+//! insta snapshots (stable, for review), JUnit, Markdown and a terminal table.
+
+pub mod snapshot;
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::compare::{Top, Verdict};
+
+/// Bumped when a field changes meaning or disappears (additions keep the version).
+pub const SCHEMA_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Report {
+    pub schema: u32,
+    pub suite: String,
+    pub suite_file: String,
+    pub parity_version: String,
+    pub environment: Environment,
+    /// Set when this report covers one shard of the suite (`--shard I/N`).
+    pub shard: Option<Shard>,
+    /// Planted faults active during the run (selftest); empty for a normal run.
+    pub faults: Vec<String>,
+    pub checkpoints: Vec<CheckpointReport>,
+    pub rows: Vec<Row>,
+    pub summary: Summary,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Environment {
+    pub mlx_version: String,
+    /// `cpu` or `gpu`: MLX's default device for the run.
+    pub device: String,
+    pub os: String,
+    pub arch: String,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Shard {
+    /// 1-based.
+    pub index: usize,
+    pub count: usize,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointStatus {
+    Ran,
+    /// Not found locally (and `--require-models` not given).
+    Skipped,
+    /// Found but could not be loaded or run.
+    Error,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CheckpointReport {
+    pub name: String,
+    /// As written in the suite (path or repo id).
+    pub reference: String,
+    /// The directory it resolved to.
+    pub resolved: Option<String>,
+    pub status: CheckpointStatus,
+    /// Why it was skipped or failed, with the places searched and a fetch hint.
+    pub reason: Option<String>,
+    pub dtype: String,
+    /// Quantized weights were dequantized at load (a speed setting; recorded because it
+    /// changes the arithmetic).
+    pub dequantized: bool,
+    pub settings: crate::scenario::Settings,
+    pub max_rel_rms_tolerance: f32,
+    pub allowed_verdicts: Vec<Verdict>,
+    /// Wall time per phase (load, references, each scenario), seconds.
+    pub phases: Vec<Phase>,
+    /// Noise floor per prompt: the reference re-run in a different batch composition.
+    pub noise_floor: BTreeMap<String, Option<f32>>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Phase {
+    pub name: String,
+    pub seconds: f64,
+}
+
+/// One (checkpoint, prompt, scenario, case, backend) comparison. A case may hold several
+/// paths (both rows of a same-prompt batch); the row reports the worst of them.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Row {
+    pub checkpoint: String,
+    pub prompt: String,
+    pub scenario: String,
+    pub case: String,
+    pub backend: String,
+    pub verdict: Verdict,
+    pub pass: bool,
+    /// Why the row failed, when it did (verdict not allowed, RMS over tolerance, error).
+    pub failure: Option<String>,
+    pub first_divergence: Option<DivergenceReport>,
+    /// The path's greedy choice at each step, given the reference's history.
+    pub tokens: Vec<u32>,
+    pub reference_tokens: Vec<u32>,
+    pub text: Option<String>,
+    pub reference_text: Option<String>,
+    /// Largest per-step relative RMS over the row's paths; `null` when a step was NaN.
+    pub max_rel_rms: Option<f32>,
+    pub max_kl: Option<f32>,
+    /// Per step, worst over paths; `null` for NaN.
+    pub step_rel_rms: Vec<Option<f32>>,
+    pub noise_floor_rel_rms: Option<f32>,
+    /// A NaN reached the logits (a poisoned row was read).
+    pub nan: bool,
+    pub paths: usize,
+    pub notes: Vec<String>,
+}
+
+/// Where a path first chose differently from its reference, in layout terms.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct DivergenceReport {
+    pub step: usize,
+    /// Which of the case's paths (batch rows of a same-prompt batch).
+    pub path: usize,
+    pub reference_token: u32,
+    pub token: u32,
+    pub reference_top: Top,
+    pub top: Top,
+    pub reference_gap: f32,
+    pub observed_shift: f32,
+    pub tie_threshold: f32,
+    pub mutual_top_k: bool,
+    /// RoPE position of the token fed at that step.
+    pub position: usize,
+    pub position_mod_tile: usize,
+    pub kv_row: usize,
+    /// Paged backend: block of the sequence and offset inside it holding `kv_row`.
+    pub block_index: Option<usize>,
+    pub offset_in_block: Option<usize>,
+    pub pads_trimmed: usize,
+    pub batch_row: usize,
+    pub batch_size: usize,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Summary {
+    pub rows: usize,
+    pub passed: usize,
+    pub failed: usize,
+    pub skipped: usize,
+    pub by_verdict: BTreeMap<String, usize>,
+    /// Snapshot files that differ from the accepted ones (`.snap.new` written).
+    pub snapshot_changes: Vec<String>,
+    pub seconds: f64,
+}
+
+impl Summary {
+    pub fn of(rows: &[Row]) -> Summary {
+        let mut s = Summary {
+            rows: rows.len(),
+            ..Summary::default()
+        };
+        for r in rows {
+            *s.by_verdict
+                .entry(r.verdict.name().to_string())
+                .or_default() += 1;
+            if r.verdict == Verdict::Skipped {
+                s.skipped += 1;
+            } else if r.pass {
+                s.passed += 1;
+            } else {
+                s.failed += 1;
+            }
+        }
+        s
+    }
+}
+
+impl Report {
+    /// Rows failed, or a snapshot changed: the run is a failure (exit 1).
+    pub fn failed(&self) -> bool {
+        self.summary.failed > 0 || !self.summary.snapshot_changes.is_empty()
+    }
+
+    /// Nothing could be judged because a checkpoint was absent or would not load.
+    pub fn unjudgeable(&self) -> bool {
+        self.checkpoints
+            .iter()
+            .any(|c| c.status != CheckpointStatus::Ran)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    }
+}
+
+/// `f32` for reports: NaN (a poisoned read) becomes `None`, serialised as `null`.
+pub fn finite(x: f32) -> Option<f32> {
+    x.is_finite().then_some(x)
+}

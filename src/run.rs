@@ -1,0 +1,565 @@
+//! Running a suite: for each checkpoint, load the model once, compute each prompt's dense
+//! reference once, run every (scenario, backend) unit against those references, and turn the
+//! comparisons into report rows. One checkpoint failing does not stop the others.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use crate::checkpoint::{self, ModelConfig, Tokenizer};
+use crate::compare::{self, PathComparison, Verdict, nan_max};
+use crate::error::{Error, Result};
+use crate::faults::Faults;
+use crate::kv::Backend;
+use crate::model::Model;
+use crate::report::{
+    CheckpointReport, CheckpointStatus, DivergenceReport, Phase, Report, Row, SCHEMA_VERSION,
+    Shard, Summary, finite,
+};
+use crate::scenario::{self, CaseOutput, Harness, Live, Prompt, Scenario};
+use crate::suite::{CheckpointSpec, PromptSource, PromptSpec, Suite};
+
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Keep rows whose `checkpoint/prompt/scenario/backend` contains this text.
+    pub filter: Option<String>,
+    pub scenarios: Option<Vec<Scenario>>,
+    pub backends: Option<Vec<Backend>>,
+    pub shard: Option<Shard>,
+    /// An absent checkpoint is an error row instead of a skipped one.
+    pub require_models: bool,
+    pub faults: Faults,
+}
+
+/// Progress callbacks; the CLI draws bars, tests pass [`NoProgress`].
+pub trait Progress {
+    fn checkpoint(&self, _name: &str, _units: usize) {}
+    fn unit(&self, _label: &str) {}
+    fn unit_done(&self) {}
+    fn checkpoint_done(&self) {}
+}
+
+pub struct NoProgress;
+impl Progress for NoProgress {}
+
+/// A (scenario, backend) pair of one checkpoint: the unit of work and of sharding.
+struct Unit {
+    scenario: Scenario,
+    backend: Backend,
+    prompts: Vec<usize>,
+}
+
+pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> Report {
+    let started = Instant::now();
+    let mut rows = Vec::new();
+    let mut checkpoints = Vec::new();
+    let mut unit_index = 0usize;
+    for spec in &suite.checkpoints {
+        let units = plan(suite, spec, opts, &mut unit_index);
+        if units.is_empty() {
+            continue;
+        }
+        progress.checkpoint(&spec.name, units.len());
+        let (report, mut r) = run_checkpoint(suite, spec, &units, opts, progress);
+        progress.checkpoint_done();
+        checkpoints.push(report);
+        rows.append(&mut r);
+    }
+    let mut summary = Summary::of(&rows);
+    summary.seconds = started.elapsed().as_secs_f64();
+    Report {
+        schema: SCHEMA_VERSION,
+        suite: suite.name.clone(),
+        suite_file: suite.file.display().to_string(),
+        parity_version: env!("CARGO_PKG_VERSION").to_string(),
+        environment: crate::runtime::environment(),
+        shard: opts.shard,
+        faults: opts
+            .faults
+            .list()
+            .iter()
+            .map(|f| f.name().to_string())
+            .collect(),
+        checkpoints,
+        rows,
+        summary,
+    }
+}
+
+/// The units of one checkpoint this run (filters and shard applied). Shards split the suite
+/// by (checkpoint, scenario), numbered over the whole suite in file order, so every shard
+/// agrees on who runs what and each snapshot file comes from exactly one shard.
+fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usize) -> Vec<Unit> {
+    let mut units = Vec::new();
+    for &scenario in &spec.scenarios {
+        if opts
+            .scenarios
+            .as_ref()
+            .is_some_and(|s| !s.contains(&scenario))
+        {
+            continue;
+        }
+        let mine = opts.shard.is_none_or(|s| *index % s.count == s.index - 1);
+        *index += 1;
+        if !mine {
+            continue;
+        }
+        for &backend in &spec.backends {
+            if opts
+                .backends
+                .as_ref()
+                .is_some_and(|b| !b.contains(&backend))
+            {
+                continue;
+            }
+            let prompts: Vec<usize> = suite
+                .prompts
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| spec.prompts.contains(&p.name))
+                .filter(|(_, p)| {
+                    let id = format!(
+                        "{}/{}/{}/{}",
+                        spec.name,
+                        p.name,
+                        scenario.name(),
+                        backend.name()
+                    );
+                    opts.filter.as_ref().is_none_or(|f| id.contains(f.as_str()))
+                })
+                .map(|(i, _)| i)
+                .collect();
+            if !prompts.is_empty() {
+                units.push(Unit {
+                    scenario,
+                    backend,
+                    prompts,
+                });
+            }
+        }
+    }
+    units
+}
+
+fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> CheckpointReport {
+    CheckpointReport {
+        name: spec.name.clone(),
+        reference: spec.reference.clone(),
+        resolved: None,
+        status,
+        reason: None,
+        dtype: format!("{:?}", spec.dtype).to_lowercase(),
+        dequantized: spec.dequantize,
+        settings: spec.settings.clone(),
+        max_rel_rms_tolerance: spec.tolerance.max_rel_rms,
+        allowed_verdicts: spec.tolerance.allow.clone(),
+        phases: Vec::new(),
+        noise_floor: BTreeMap::new(),
+    }
+}
+
+/// Rows for units that could not run at all (checkpoint absent or broken).
+fn blanket_rows(
+    suite: &Suite,
+    spec: &CheckpointSpec,
+    units: &[Unit],
+    verdict: Verdict,
+    why: &str,
+) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for u in units {
+        for &p in &u.prompts {
+            let mut row = empty_row(
+                spec,
+                &suite.prompts[p].name,
+                u.scenario,
+                "*",
+                u.backend,
+                verdict,
+            );
+            row.pass = verdict == Verdict::Skipped;
+            row.failure = (verdict != Verdict::Skipped).then(|| why.to_string());
+            row.notes
+                .push(why.lines().next().unwrap_or(why).to_string());
+            rows.push(row);
+        }
+    }
+    rows
+}
+
+fn empty_row(
+    spec: &CheckpointSpec,
+    prompt: &str,
+    scenario: Scenario,
+    case: &str,
+    backend: Backend,
+    verdict: Verdict,
+) -> Row {
+    Row {
+        checkpoint: spec.name.clone(),
+        prompt: prompt.to_string(),
+        scenario: scenario.name().to_string(),
+        case: case.to_string(),
+        backend: backend.name().to_string(),
+        verdict,
+        pass: false,
+        failure: None,
+        first_divergence: None,
+        tokens: Vec::new(),
+        reference_tokens: Vec::new(),
+        text: None,
+        reference_text: None,
+        max_rel_rms: None,
+        max_kl: None,
+        step_rel_rms: Vec::new(),
+        noise_floor_rel_rms: None,
+        nan: false,
+        paths: 0,
+        notes: Vec::new(),
+    }
+}
+
+fn run_checkpoint(
+    suite: &Suite,
+    spec: &CheckpointSpec,
+    units: &[Unit],
+    opts: &RunOptions,
+    progress: &dyn Progress,
+) -> (CheckpointReport, Vec<Row>) {
+    let mut report = checkpoint_report(spec, CheckpointStatus::Ran);
+    let dir = match checkpoint::resolve(&spec.reference, &suite.dir()) {
+        Ok(d) => d,
+        Err(e) => {
+            let why = e.to_string();
+            let absent = matches!(e, Error::CheckpointNotFound { .. });
+            let (status, verdict) = if absent && !opts.require_models {
+                (CheckpointStatus::Skipped, Verdict::Skipped)
+            } else {
+                (CheckpointStatus::Error, Verdict::Error)
+            };
+            report.status = status;
+            report.reason = Some(why.clone());
+            return (report, blanket_rows(suite, spec, units, verdict, &why));
+        }
+    };
+    report.resolved = Some(dir.display().to_string());
+
+    let t = Instant::now();
+    let loaded = load(&dir, spec);
+    report.phases.push(Phase {
+        name: "load".into(),
+        seconds: t.elapsed().as_secs_f64(),
+    });
+    let (mut model, tokenizer) = match loaded {
+        Ok(x) => x,
+        Err(e) => {
+            let why = format!("{e:#}");
+            report.status = CheckpointStatus::Error;
+            report.reason = Some(why.clone());
+            return (
+                report,
+                blanket_rows(suite, spec, units, Verdict::Error, &why),
+            );
+        }
+    };
+    report.dtype = model.dtype.name().to_string();
+    model.faults = opts.faults;
+
+    // Prompts, encoded once. A prompt that cannot be encoded fails its own rows only.
+    let mut prompts: BTreeMap<usize, std::result::Result<Prompt, String>> = BTreeMap::new();
+    for u in units {
+        for &p in &u.prompts {
+            prompts.entry(p).or_insert_with(|| {
+                encode(&suite.prompts[p], &tokenizer, &model).map_err(|e| e.to_string())
+            });
+        }
+    }
+
+    let mut harness = Harness::new(&model, spec.settings.clone(), opts.faults);
+    let t = Instant::now();
+    let good: Vec<Prompt> = prompts
+        .values()
+        .filter_map(|p| p.as_ref().ok().cloned())
+        .collect();
+    let mut floors = BTreeMap::new();
+    for p in &good {
+        let floor = harness
+            .reference(&p.ids)
+            .and_then(|_| noise_floor(&mut harness, p, &good));
+        let floor = match floor {
+            Ok(f) => f,
+            Err(e) => {
+                prompts.insert(
+                    index_of(suite, &p.name),
+                    Err(format!("reference run failed: {e}")),
+                );
+                None
+            }
+        };
+        floors.insert(p.name.clone(), floor);
+        report.noise_floor.insert(p.name.clone(), floor);
+    }
+    report.phases.push(Phase {
+        name: "reference".into(),
+        seconds: t.elapsed().as_secs_f64(),
+    });
+
+    let mut rows = Vec::new();
+    for u in units {
+        let label = format!("{} {}", u.scenario.name(), u.backend.name());
+        progress.unit(&label);
+        let t = Instant::now();
+        let mut ok_prompts = Vec::new();
+        for &p in &u.prompts {
+            match &prompts[&p] {
+                Ok(prompt) => ok_prompts.push(prompt.clone()),
+                Err(why) => {
+                    let mut row = empty_row(
+                        spec,
+                        &suite.prompts[p].name,
+                        u.scenario,
+                        "*",
+                        u.backend,
+                        Verdict::Error,
+                    );
+                    row.failure = Some(why.clone());
+                    rows.push(row);
+                }
+            }
+        }
+        if !ok_prompts.is_empty() {
+            match u.scenario.run(&mut harness, u.backend, &ok_prompts) {
+                Ok(cases) => {
+                    for c in cases {
+                        rows.push(case_row(&mut harness, spec, u, &c, &tokenizer, &floors));
+                    }
+                }
+                Err(e) => {
+                    for p in &ok_prompts {
+                        let mut row =
+                            empty_row(spec, &p.name, u.scenario, "*", u.backend, Verdict::Error);
+                        row.failure = Some(format!(
+                            "{} on {}: {e}",
+                            u.scenario.name(),
+                            u.backend.name()
+                        ));
+                        rows.push(row);
+                    }
+                }
+            }
+        }
+        let name = format!("{} {}", u.scenario.name(), u.backend.name());
+        report.phases.push(Phase {
+            name,
+            seconds: t.elapsed().as_secs_f64(),
+        });
+        progress.unit_done();
+    }
+    (report, rows)
+}
+
+fn index_of(suite: &Suite, name: &str) -> usize {
+    suite
+        .prompts
+        .iter()
+        .position(|p| p.name == name)
+        .unwrap_or(usize::MAX)
+}
+
+fn load(dir: &std::path::Path, spec: &CheckpointSpec) -> anyhow::Result<(Model, Tokenizer)> {
+    use anyhow::Context;
+    let config = ModelConfig::load(dir)?;
+    let tokenizer = Tokenizer::load(dir)?;
+    let model = Model::load(dir, config, spec.dtype.resolve(), spec.dequantize)
+        .with_context(|| format!("loading weights from {}", dir.display()))?;
+    Ok((model, tokenizer))
+}
+
+/// Encode a suite prompt for this checkpoint, check it fits the context with the tokens to
+/// generate, and apply `length`.
+fn encode(p: &PromptSpec, tok: &Tokenizer, model: &Model) -> Result<Prompt> {
+    let mut ids = match &p.source {
+        PromptSource::Text(t) => tok.encode_raw(t)?,
+        PromptSource::Chat(t) => tok.encode_chat(t)?,
+        PromptSource::Ids(ids) => ids.clone(),
+    };
+    if ids.is_empty() {
+        return Err(Error::Invalid(format!(
+            "prompt `{}` encodes to no tokens",
+            p.name
+        )));
+    }
+    if let Some(n) = p.length {
+        ids = ids.iter().copied().cycle().take(n).collect();
+    }
+    let vocab = model.config.vocab_size;
+    if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+        return Err(Error::Invalid(format!(
+            "prompt `{}`: token id {bad} is outside the vocabulary of {vocab}",
+            p.name
+        )));
+    }
+    Ok(Prompt {
+        name: p.name.clone(),
+        ids,
+    })
+}
+
+/// The reference re-run in a different batch composition (as row 1 of a dense batch of two,
+/// next to another prompt): how far apart two correct runs are on this machine.
+fn noise_floor(h: &mut Harness, p: &Prompt, all: &[Prompt]) -> Result<Option<f32>> {
+    let partner = all
+        .iter()
+        .find(|q| q.ids != p.ids)
+        .cloned()
+        .unwrap_or_else(|| Prompt {
+            name: "reversed".into(),
+            ids: p.ids.iter().rev().copied().collect(),
+        });
+    let (reference, partner_ref) = (h.reference(&p.ids)?, h.reference(&partner.ids)?);
+    let steps = h.settings.max_tokens;
+    let mut kv = h.kv(Backend::Dense)?;
+    let mut lives = [
+        Live::new(kv.create(0)?, &partner_ref, steps),
+        Live::new(kv.create(0)?, &reference, steps),
+    ];
+    scenario::prefill(h.model, kv.as_mut(), &mut lives[0], &partner.ids)?;
+    scenario::prefill(h.model, kv.as_mut(), &mut lives[1], &p.ids)?;
+    scenario::decode_all(h.model, kv.as_mut(), &mut lives)?;
+    let cmp = compare::compare(&reference, &lives[1].trace, h.model.dtype, f32::INFINITY)?;
+    Ok(finite(cmp.max_rel_rms))
+}
+
+/// Compare every path of a case with its reference and fold them into one row.
+fn case_row(
+    h: &mut Harness,
+    spec: &CheckpointSpec,
+    u: &Unit,
+    c: &CaseOutput,
+    tok: &Tokenizer,
+    floors: &BTreeMap<String, Option<f32>>,
+) -> Row {
+    let base_prompt = c
+        .prompt
+        .name
+        .split('/')
+        .next()
+        .unwrap_or(&c.prompt.name)
+        .to_string();
+    let mut row = empty_row(
+        spec,
+        &c.prompt.name,
+        u.scenario,
+        &c.case,
+        u.backend,
+        Verdict::Identical,
+    );
+    row.notes = c.notes.clone();
+    row.paths = c.paths.len();
+    row.noise_floor_rel_rms = floors.get(&base_prompt).copied().flatten();
+    let reference = match h.reference(&c.prompt.ids) {
+        Ok(r) => r,
+        Err(e) => {
+            row.verdict = Verdict::Error;
+            row.failure = Some(format!("reference: {e}"));
+            return row;
+        }
+    };
+    let mut comparisons: Vec<PathComparison> = Vec::new();
+    for path in &c.paths {
+        match compare::compare(&reference, path, h.model.dtype, spec.tolerance.max_rel_rms) {
+            Ok(cmp) => comparisons.push(cmp),
+            Err(e) => {
+                row.verdict = Verdict::Error;
+                row.failure = Some(format!("comparison: {e}"));
+                return row;
+            }
+        }
+    }
+    // The worst path speaks for the row; among equals, the earliest divergence.
+    let worst = comparisons
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, cmp)| {
+            (
+                cmp.verdict.rank(),
+                std::cmp::Reverse(cmp.first_divergence.as_ref().map_or(usize::MAX, |d| d.step)),
+            )
+        })
+        .map(|(i, _)| i);
+    let Some(w) = worst else {
+        row.verdict = Verdict::Error;
+        row.failure = Some("case produced no paths".into());
+        return row;
+    };
+    let cmp = &comparisons[w];
+    row.verdict = cmp.verdict;
+    row.tokens = cmp.tokens.clone();
+    row.reference_tokens = cmp.reference_tokens.clone();
+    let steps = comparisons.iter().map(|c| c.steps.len()).max().unwrap_or(0);
+    let mut step_rms = vec![0f32; steps];
+    let (mut max_rms, mut max_kl) = (0f32, 0f32);
+    for cmp in &comparisons {
+        for (i, m) in cmp.steps.iter().enumerate() {
+            step_rms[i] = nan_max(step_rms[i], m.rel_rms);
+        }
+        max_rms = nan_max(max_rms, cmp.max_rel_rms);
+        max_kl = nan_max(max_kl, cmp.max_kl);
+    }
+    row.nan = max_rms.is_nan();
+    row.max_rel_rms = finite(max_rms);
+    row.max_kl = finite(max_kl);
+    row.step_rel_rms = step_rms.into_iter().map(finite).collect();
+    row.first_divergence = cmp.first_divergence.as_ref().map(|d| {
+        let paged = u.backend == Backend::Paged;
+        let bs = spec.settings.block_size;
+        DivergenceReport {
+            step: d.step,
+            path: w,
+            reference_token: d.reference_token,
+            token: d.token,
+            reference_top: d.reference_top.clone(),
+            top: d.top.clone(),
+            reference_gap: d.reference_gap,
+            observed_shift: d.observed_shift,
+            tie_threshold: d.tie_threshold,
+            mutual_top_k: d.mutual_top_k,
+            position: d.layout.position,
+            position_mod_tile: d.layout.position % spec.settings.tile.max(1),
+            kv_row: d.layout.kv_row,
+            block_index: paged.then(|| d.layout.kv_row / bs),
+            offset_in_block: paged.then(|| d.layout.kv_row % bs),
+            pads_trimmed: d.layout.pads_trimmed,
+            batch_row: d.layout.batch_row,
+            batch_size: d.layout.batch_size,
+        }
+    });
+    row.text = tok.decode(&row.tokens).ok();
+    row.reference_text = tok.decode(&row.reference_tokens).ok();
+    judge(&mut row, spec);
+    row
+}
+
+/// A row passes when its verdict is allowed and its largest relative RMS is within the
+/// tolerance (a NaN never is).
+fn judge(row: &mut Row, spec: &CheckpointSpec) {
+    let tol = spec.tolerance.max_rel_rms;
+    let mut why = Vec::new();
+    if !spec.tolerance.allow.contains(&row.verdict) {
+        why.push(match &row.first_divergence {
+            Some(d) => format!(
+                "{} at step {} (position {})",
+                row.verdict.name(),
+                d.step,
+                d.position
+            ),
+            None => row.verdict.name().to_string(),
+        });
+    }
+    match row.max_rel_rms {
+        None if row.nan => why.push("NaN logits (a poisoned or freed row was read)".into()),
+        Some(r) if r > tol => why.push(format!("max relative RMS {r:.3e} > tolerance {tol:.1e}")),
+        _ => {}
+    }
+    row.pass = why.is_empty();
+    row.failure = (!why.is_empty()).then(|| why.join("; "));
+}

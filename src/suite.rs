@@ -1,0 +1,552 @@
+//! Suite files (TOML): checkpoints, prompts, scenarios and their settings, dtype and
+//! tolerances, with suite-level defaults and per-checkpoint overrides.
+//!
+//! Every mistake is reported with file, line and column before anything runs: unknown keys and
+//! wrong types by the TOML deserializer, semantic checks (positive sizes, tile a multiple of
+//! 8, known scenario names) against the span of the offending value.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::compare::Verdict;
+use crate::dtype::DtypeSetting;
+use crate::kv::Backend;
+use crate::scenario::{self, Scenario, Settings};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SuiteError {
+    pub file: PathBuf,
+    pub line: usize,
+    pub column: usize,
+    pub message: String,
+}
+
+impl std::fmt::Display for SuiteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}: {}",
+            self.file.display(),
+            self.line,
+            self.column,
+            self.message
+        )
+    }
+}
+
+impl std::error::Error for SuiteError {}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptSource {
+    /// Raw text, encoded with the tokenizer's special tokens.
+    Text(String),
+    /// A single user turn rendered with the checkpoint's chat template.
+    Chat(String),
+    /// Token ids, used as given.
+    Ids(Vec<u32>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptSpec {
+    pub name: String,
+    pub source: PromptSource,
+    /// Repeat or cut the encoded prompt to exactly this many tokens (to hit a boundary).
+    pub length: Option<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tolerance {
+    /// Largest per-step relative logit RMS a row may show.
+    pub max_rel_rms: f32,
+    pub allow: Vec<Verdict>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointSpec {
+    pub name: String,
+    /// A path (relative to the suite file, `${VAR:-default}` expanded) or a repo id.
+    pub reference: String,
+    pub dtype: DtypeSetting,
+    pub dequantize: bool,
+    pub backends: Vec<Backend>,
+    pub scenarios: Vec<Scenario>,
+    pub settings: Settings,
+    pub tolerance: Tolerance,
+    /// Prompt names this checkpoint runs (all when the suite does not say).
+    pub prompts: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Suite {
+    pub name: String,
+    pub file: PathBuf,
+    pub prompts: Vec<PromptSpec>,
+    pub checkpoints: Vec<CheckpointSpec>,
+}
+
+impl Suite {
+    /// The directory relative checkpoint paths are resolved against.
+    pub fn dir(&self) -> PathBuf {
+        self.file
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."))
+    }
+}
+
+// ---- raw form, as written ------------------------------------------------------------------
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSuite {
+    name: Option<String>,
+    #[allow(dead_code)]
+    description: Option<String>,
+    dtype: Option<Spanned<String>>,
+    dequantize: Option<bool>,
+    backends: Option<Vec<Spanned<String>>>,
+    scenarios: Option<Vec<Spanned<String>>>,
+    settings: Option<SettingsPatch>,
+    tolerance: Option<TolerancePatch>,
+    #[serde(default)]
+    prompts: Vec<Spanned<RawPrompt>>,
+    #[serde(default)]
+    checkpoints: Vec<Spanned<RawCheckpoint>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPrompt {
+    name: Spanned<String>,
+    text: Option<String>,
+    chat: Option<String>,
+    ids: Option<Vec<u32>>,
+    length: Option<Spanned<i64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCheckpoint {
+    name: Option<String>,
+    path: Option<Spanned<String>>,
+    repo: Option<Spanned<String>>,
+    dtype: Option<Spanned<String>>,
+    dequantize: Option<bool>,
+    backends: Option<Vec<Spanned<String>>>,
+    scenarios: Option<Vec<Spanned<String>>>,
+    prompts: Option<Vec<Spanned<String>>>,
+    settings: Option<SettingsPatch>,
+    tolerance: Option<TolerancePatch>,
+}
+
+/// Settings as a suite or checkpoint writes them: each key optional, applied over defaults.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct SettingsPatch {
+    max_tokens: Option<Spanned<i64>>,
+    block_size: Option<Spanned<i64>>,
+    tile: Option<Spanned<i64>>,
+    chunk: Option<Spanned<i64>>,
+    lookahead: Option<Spanned<i64>>,
+    rollback_every: Option<Spanned<i64>>,
+    poison: Option<bool>,
+    pool_blocks: Option<Spanned<i64>>,
+    concurrent: Option<ConcurrentPatch>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ConcurrentPatch {
+    requests: Option<Spanned<i64>>,
+    arrivals: Option<Spanned<Vec<i64>>>,
+    max_batch: Option<Spanned<i64>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct TolerancePatch {
+    max_rel_rms: Option<Spanned<f64>>,
+    /// Demand identical tokens: a near-tie fails.
+    strict: Option<bool>,
+}
+
+struct Ctx<'a> {
+    file: &'a Path,
+    text: &'a str,
+}
+
+impl Ctx<'_> {
+    fn err(&self, span: std::ops::Range<usize>, message: impl Into<String>) -> SuiteError {
+        let (line, column) = line_col(self.text, span.start);
+        SuiteError {
+            file: self.file.to_path_buf(),
+            line,
+            column,
+            message: message.into(),
+        }
+    }
+
+    fn positive(
+        &self,
+        key: &str,
+        v: &Option<Spanned<i64>>,
+        allow_zero: bool,
+    ) -> Result<Option<usize>, SuiteError> {
+        let Some(v) = v else { return Ok(None) };
+        let n = *v.get_ref();
+        if n < 0 || (n == 0 && !allow_zero) {
+            let what = if allow_zero {
+                "must not be negative"
+            } else {
+                "must be positive"
+            };
+            return Err(self.err(v.span(), format!("{key}: {n} {what}")));
+        }
+        Ok(Some(n as usize))
+    }
+
+    fn apply(&self, p: &SettingsPatch, s: &mut Settings) -> Result<(), SuiteError> {
+        let set = |dst: &mut usize,
+                   key: &str,
+                   v: &Option<Spanned<i64>>,
+                   zero: bool|
+         -> Result<(), SuiteError> {
+            if let Some(n) = self.positive(key, v, zero)? {
+                *dst = n;
+            }
+            Ok(())
+        };
+        set(
+            &mut s.max_tokens,
+            "settings.max_tokens",
+            &p.max_tokens,
+            false,
+        )?;
+        set(
+            &mut s.block_size,
+            "settings.block_size",
+            &p.block_size,
+            false,
+        )?;
+        set(&mut s.tile, "settings.tile", &p.tile, false)?;
+        if let Some(t) = &p.tile {
+            if *t.get_ref() % 8 != 0 {
+                return Err(self.err(
+                    t.span(),
+                    format!("settings.tile: {} is not a multiple of 8", t.get_ref()),
+                ));
+            }
+        }
+        set(&mut s.chunk, "settings.chunk", &p.chunk, false)?;
+        set(&mut s.lookahead, "settings.lookahead", &p.lookahead, true)?;
+        set(
+            &mut s.rollback_every,
+            "settings.rollback_every",
+            &p.rollback_every,
+            false,
+        )?;
+        if let Some(b) = p.poison {
+            s.poison = b;
+        }
+        if let Some(n) = self.positive("settings.pool_blocks", &p.pool_blocks, false)? {
+            s.pool_blocks = Some(n);
+        }
+        if let Some(c) = &p.concurrent {
+            set(
+                &mut s.concurrent.requests,
+                "settings.concurrent.requests",
+                &c.requests,
+                false,
+            )?;
+            set(
+                &mut s.concurrent.max_batch,
+                "settings.concurrent.max_batch",
+                &c.max_batch,
+                false,
+            )?;
+            if let Some(a) = &c.arrivals {
+                if a.get_ref().is_empty() || a.get_ref().iter().any(|&x| x < 0) {
+                    return Err(self.err(
+                        a.span(),
+                        "settings.concurrent.arrivals: needs at least one step, none negative",
+                    ));
+                }
+                s.concurrent.arrivals = a.get_ref().iter().map(|&x| x as usize).collect();
+            }
+        }
+        Ok(())
+    }
+
+    fn tolerance(&self, p: &Option<TolerancePatch>, t: &mut Tolerance) -> Result<(), SuiteError> {
+        let Some(p) = p else { return Ok(()) };
+        if let Some(v) = &p.max_rel_rms {
+            let x = *v.get_ref();
+            if !(x.is_finite() && x >= 0.0) {
+                return Err(self.err(
+                    v.span(),
+                    format!("tolerance.max_rel_rms: {x} must be a non-negative number"),
+                ));
+            }
+            t.max_rel_rms = x as f32;
+        }
+        if let Some(strict) = p.strict {
+            t.allow = if strict {
+                vec![Verdict::Identical]
+            } else {
+                vec![Verdict::Identical, Verdict::NearTie]
+            };
+        }
+        Ok(())
+    }
+
+    fn dtype(&self, v: &Spanned<String>) -> Result<DtypeSetting, SuiteError> {
+        v.get_ref()
+            .parse()
+            .map_err(|e: String| self.err(v.span(), format!("dtype: {e}")))
+    }
+
+    fn scenarios(&self, list: &[Spanned<String>]) -> Result<Vec<Scenario>, SuiteError> {
+        list.iter()
+            .map(|s| {
+                Scenario::parse(s.get_ref()).ok_or_else(|| {
+                    let known: Vec<&str> = scenario::ALL.iter().map(|s| s.name()).collect();
+                    self.err(
+                        s.span(),
+                        format!(
+                            "unknown scenario `{}`; known: {}",
+                            s.get_ref(),
+                            known.join(", ")
+                        ),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    fn backends(&self, list: &[Spanned<String>]) -> Result<Vec<Backend>, SuiteError> {
+        list.iter()
+            .map(|b| {
+                b.get_ref()
+                    .parse()
+                    .map_err(|e: String| self.err(b.span(), e))
+            })
+            .collect()
+    }
+}
+
+/// Tolerance defaults by dtype: float32 paths match to ~1e-6 when correct and a real bug moves
+/// logits by far more than 1e-3; half precision noise is larger.
+pub fn default_tolerance(dtype: DtypeSetting) -> Tolerance {
+    let max_rel_rms = match dtype {
+        DtypeSetting::Float32 => 1e-3,
+        _ => 2e-2,
+    };
+    Tolerance {
+        max_rel_rms,
+        allow: vec![Verdict::Identical, Verdict::NearTie],
+    }
+}
+
+pub fn load(file: &Path) -> Result<Suite, SuiteError> {
+    let text = std::fs::read_to_string(file).map_err(|e| SuiteError {
+        file: file.to_path_buf(),
+        line: 0,
+        column: 0,
+        message: format!("cannot read: {e}"),
+    })?;
+    parse(file, &text)
+}
+
+pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
+    let cx = Ctx { file, text };
+    let raw: RawSuite = toml::from_str(text).map_err(|e| {
+        let span = e.span().unwrap_or(0..0);
+        cx.err(span, e.message().to_string())
+    })?;
+
+    let suite_dtype = raw
+        .dtype
+        .as_ref()
+        .map(|d| cx.dtype(d))
+        .transpose()?
+        .unwrap_or(DtypeSetting::Float32);
+    let suite_backends = match &raw.backends {
+        Some(b) => cx.backends(b)?,
+        None => vec![Backend::Dense, Backend::Paged],
+    };
+    let suite_scenarios = match &raw.scenarios {
+        Some(s) => cx.scenarios(s)?,
+        None => scenario::ALL.to_vec(),
+    };
+    let mut suite_settings = Settings::default();
+    if let Some(p) = &raw.settings {
+        cx.apply(p, &mut suite_settings)?;
+    }
+
+    if raw.prompts.is_empty() {
+        return Err(cx.err(0..0, "no [[prompts]]: a suite needs at least one prompt"));
+    }
+    let mut prompts: Vec<PromptSpec> = Vec::new();
+    for p in &raw.prompts {
+        let span = p.span();
+        let p = p.get_ref();
+        let name = p.name.get_ref().clone();
+        if prompts.iter().any(|q| q.name == name) {
+            return Err(cx.err(p.name.span(), format!("prompt `{name}` is defined twice")));
+        }
+        let source = match (&p.text, &p.chat, &p.ids) {
+            (Some(t), None, None) => PromptSource::Text(t.clone()),
+            (None, Some(c), None) => PromptSource::Chat(c.clone()),
+            (None, None, Some(ids)) if !ids.is_empty() => PromptSource::Ids(ids.clone()),
+            _ => {
+                return Err(cx.err(
+                    span,
+                    format!("prompt `{name}`: give exactly one of text, chat or ids (non-empty)"),
+                ));
+            }
+        };
+        let length = cx.positive("length", &p.length, false)?;
+        prompts.push(PromptSpec {
+            name,
+            source,
+            length,
+        });
+    }
+
+    if raw.checkpoints.is_empty() {
+        return Err(cx.err(
+            0..0,
+            "no [[checkpoints]]: a suite needs at least one checkpoint",
+        ));
+    }
+    let mut checkpoints: Vec<CheckpointSpec> = Vec::new();
+    for c in &raw.checkpoints {
+        let span = c.span();
+        let c = c.get_ref();
+        let reference = match (&c.path, &c.repo) {
+            (Some(p), None) => {
+                expand_env(p.get_ref()).map_err(|m| cx.err(p.span(), format!("path: {m}")))?
+            }
+            (None, Some(r)) => r.get_ref().clone(),
+            _ => return Err(cx.err(span, "checkpoint: give exactly one of path or repo")),
+        };
+        let name = c.name.clone().unwrap_or_else(|| default_name(&reference));
+        if checkpoints.iter().any(|k| k.name == name) {
+            return Err(cx.err(
+                span,
+                format!("checkpoint name `{name}` is used twice; set `name`"),
+            ));
+        }
+        let dtype = match &c.dtype {
+            Some(d) => cx.dtype(d)?,
+            None => suite_dtype,
+        };
+        let mut settings = suite_settings.clone();
+        if let Some(p) = &c.settings {
+            cx.apply(p, &mut settings)?;
+        }
+        let mut tolerance = default_tolerance(dtype);
+        cx.tolerance(&raw.tolerance, &mut tolerance)?;
+        cx.tolerance(&c.tolerance, &mut tolerance)?;
+        let prompt_names = match &c.prompts {
+            Some(list) => {
+                let mut names = Vec::new();
+                for n in list {
+                    if !prompts.iter().any(|p| &p.name == n.get_ref()) {
+                        return Err(cx.err(n.span(), format!("unknown prompt `{}`", n.get_ref())));
+                    }
+                    names.push(n.get_ref().clone());
+                }
+                names
+            }
+            None => prompts.iter().map(|p| p.name.clone()).collect(),
+        };
+        checkpoints.push(CheckpointSpec {
+            name,
+            reference,
+            dtype,
+            dequantize: c.dequantize.or(raw.dequantize).unwrap_or(false),
+            backends: match &c.backends {
+                Some(b) => cx.backends(b)?,
+                None => suite_backends.clone(),
+            },
+            scenarios: match &c.scenarios {
+                Some(s) => cx.scenarios(s)?,
+                None => suite_scenarios.clone(),
+            },
+            settings,
+            tolerance,
+            prompts: prompt_names,
+        });
+    }
+
+    let name = raw.name.unwrap_or_else(|| {
+        file.file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("suite")
+            .to_string()
+    });
+    Ok(Suite {
+        name,
+        file: file.to_path_buf(),
+        prompts,
+        checkpoints,
+    })
+}
+
+/// A checkpoint's report name from its reference: the last path component or the repo name,
+/// without a `.toml` extension.
+fn default_name(reference: &str) -> String {
+    let last = reference
+        .trim_end_matches('/')
+        .rsplit('/')
+        .next()
+        .unwrap_or(reference);
+    last.strip_suffix(".toml").unwrap_or(last).to_string()
+}
+
+/// `${VAR}` and `${VAR:-default}` in checkpoint paths, so a suite can point at a machine's
+/// own copy of a model without editing the file.
+pub fn expand_env(s: &str) -> Result<String, String> {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after
+            .find('}')
+            .ok_or_else(|| format!("unterminated `${{` in `{s}`"))?;
+        let inner = &after[..end];
+        let (var, default) = match inner.split_once(":-") {
+            Some((v, d)) => (v, Some(d)),
+            None => (inner, None),
+        };
+        match (std::env::var(var).ok().filter(|v| !v.is_empty()), default) {
+            (Some(v), _) => out.push_str(&v),
+            (None, Some(d)) => out.push_str(d),
+            (None, None) => {
+                return Err(format!(
+                    "environment variable {var} is not set (write ${{{var}:-default}} for a fallback)"
+                ));
+            }
+        }
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// 1-based line and column of a byte offset.
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before
+        .rsplit('\n')
+        .next()
+        .map(|l| l.chars().count())
+        .unwrap_or(0)
+        + 1;
+    (line, column)
+}
