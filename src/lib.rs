@@ -6,6 +6,7 @@
 //! [`kv::KvCache`] trait; [`kv`] has the two backends (dense buffers, paged block pool);
 //! [`engine`] runs prefill/decode steps over either backend.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod cli;
 pub mod compare;
@@ -20,6 +21,7 @@ pub mod report;
 pub mod run;
 pub mod runtime;
 pub mod scenario;
+pub mod selftest;
 pub mod suite;
 
 pub use error::{Error, Result};

@@ -1,8 +1,12 @@
 //! The command line. Library errors become `anyhow` errors with context here; exit codes are
 //! decided here and only here.
 
+mod bench;
 mod generate;
 mod inspect;
+mod review;
+mod run;
+mod selftest;
 
 use std::process::ExitCode;
 
@@ -31,6 +35,16 @@ enum Command {
     Generate(generate::Args),
     /// Describe a checkpoint: architecture, sizes, dtype, quantization, tokenizer.
     Inspect(inspect::Args),
+    /// Run a suite: every scenario on both backends against the dense reference.
+    Run(run::Args),
+    /// Show pending snapshot changes as diffs.
+    Review(review::Args),
+    /// Accept pending snapshot changes.
+    Accept(review::Args),
+    /// Prove the suite catches planted regressions: clean must pass, every fault must fail.
+    Selftest(selftest::Args),
+    /// Speed and KV memory of both decode paths (and mlx-lm, given its JSON).
+    Bench(bench::Args),
 }
 
 pub fn main() -> ExitCode {
@@ -44,6 +58,11 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Run(a) => run::run(a),
+        Command::Review(a) => review::review(a),
+        Command::Accept(a) => review::accept(a),
+        Command::Selftest(a) => selftest::run(a),
+        Command::Bench(a) => bench::run(a),
     };
     match result {
         Ok(code) => code,

@@ -1,7 +1,12 @@
 //! The result of a suite run, and its renderings: JSON (full precision, the machine report),
 //! insta snapshots (stable, for review), JUnit, Markdown and a terminal table.
 
+pub mod diff;
+pub mod junit;
+pub mod markdown;
+pub mod merge;
 pub mod snapshot;
+pub mod table;
 
 use std::collections::BTreeMap;
 

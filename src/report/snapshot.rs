@@ -1,1 +1,307 @@
-//! placeholder
+//! Snapshot reports in insta's `.snap` format, one file per checkpoint and scenario under
+//! `reports/<suite>/`: token ids, verdicts, divergence locations and metrics bucketed by
+//! decade, so the file is byte-identical across runs of the same code and a reviewer sees a
+//! change only when behaviour changed.
+//!
+//! A run writes `<name>.snap.new` next to a differing accepted `<name>.snap`, as insta does, so
+//! `parity review` / `parity accept` and `cargo insta review` both work on them. GPU runs keep
+//! their own snapshots under `reports/<suite>/gpu/` (Metal arithmetic differs from the CPU's).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use super::{CheckpointStatus, Report, Row};
+
+/// What a run does with a snapshot that differs from the accepted one (`--update`, or the
+/// `PARITY_UPDATE` / `INSTA_UPDATE` environment variables, insta's names and meanings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpdateMode {
+    /// Write `.snap.new` for review (default).
+    New,
+    /// Overwrite the accepted `.snap` (accept everything).
+    Always,
+    /// Write new snapshots as accepted, changed ones as `.snap.new`.
+    Unseen,
+    /// Write nothing; a change still fails the run.
+    No,
+}
+
+impl std::str::FromStr for UpdateMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "new" | "auto" => Ok(UpdateMode::New),
+            "always" | "overwrite" => Ok(UpdateMode::Always),
+            "unseen" => Ok(UpdateMode::Unseen),
+            "no" => Ok(UpdateMode::No),
+            other => Err(format!(
+                "unknown update mode `{other}`; expected new, always, unseen or no"
+            )),
+        }
+    }
+}
+
+impl UpdateMode {
+    /// From `PARITY_UPDATE`, else `INSTA_UPDATE`, else `new`.
+    pub fn from_env() -> Result<Self, String> {
+        match std::env::var("PARITY_UPDATE").or_else(|_| std::env::var("INSTA_UPDATE")) {
+            Ok(v) if !v.is_empty() => v.parse(),
+            _ => Ok(UpdateMode::New),
+        }
+    }
+}
+
+/// The snapshot directory of a suite on this run's device.
+pub fn dir(reports: &Path, report: &Report) -> PathBuf {
+    let base = reports.join(&report.suite);
+    if report.environment.device == "cpu" {
+        base
+    } else {
+        base.join(&report.environment.device)
+    }
+}
+
+/// File stem and content of every snapshot this report yields: one per (checkpoint, scenario)
+/// of each checkpoint that ran.
+pub fn render(report: &Report) -> BTreeMap<String, String> {
+    let mut groups: BTreeMap<(String, String), Vec<&Row>> = BTreeMap::new();
+    for c in report
+        .checkpoints
+        .iter()
+        .filter(|c| c.status == CheckpointStatus::Ran)
+    {
+        for r in report.rows.iter().filter(|r| r.checkpoint == c.name) {
+            groups
+                .entry((c.name.clone(), r.scenario.clone()))
+                .or_default()
+                .push(r);
+        }
+    }
+    let mut out = BTreeMap::new();
+    for ((checkpoint, scenario), rows) in groups {
+        let Some(c) = report.checkpoints.iter().find(|c| c.name == checkpoint) else {
+            continue;
+        };
+        let mut s = String::new();
+        let _ = writeln!(s, "---");
+        let _ = writeln!(s, "source: {}", yaml_str(&report.suite_file));
+        let _ = writeln!(
+            s,
+            "expression: {}",
+            yaml_str(&format!("{checkpoint} / {scenario}"))
+        );
+        let _ = writeln!(s, "---");
+        let _ = writeln!(s, "checkpoint: {}", yaml_str(&checkpoint));
+        let _ = writeln!(s, "scenario: {scenario}");
+        let _ = writeln!(s, "dtype: {}", c.dtype);
+        if c.dequantized {
+            let _ = writeln!(s, "dequantized: true");
+        }
+        let st = &c.settings;
+        let _ = writeln!(
+            s,
+            "settings: {{max_tokens: {}, block_size: {}, tile: {}, chunk: {}, lookahead: {}, poison: {}}}",
+            st.max_tokens, st.block_size, st.tile, st.chunk, st.lookahead, st.poison
+        );
+        let _ = writeln!(s, "rows:");
+        for r in rows {
+            row(&mut s, r);
+        }
+        out.insert(file_stem(&checkpoint, &scenario), s);
+    }
+    out
+}
+
+fn row(s: &mut String, r: &Row) {
+    let _ = writeln!(s, "  - prompt: {}", yaml_str(&r.prompt));
+    let _ = writeln!(s, "    case: {}", yaml_str(&r.case));
+    let _ = writeln!(s, "    backend: {}", r.backend);
+    let _ = writeln!(s, "    verdict: {}", r.verdict.name());
+    let _ = writeln!(s, "    pass: {}", r.pass);
+    if r.nan {
+        let _ = writeln!(s, "    max_rel_rms: nan");
+    } else if let Some(x) = r.max_rel_rms {
+        let _ = writeln!(s, "    max_rel_rms: {}", bucket(x));
+    }
+    if let Some(d) = &r.first_divergence {
+        let mut loc = format!(
+            "step: {}, position: {}, position_mod_tile: {}, kv_row: {}",
+            d.step, d.position, d.position_mod_tile, d.kv_row
+        );
+        if let (Some(b), Some(o)) = (d.block_index, d.offset_in_block) {
+            let _ = write!(loc, ", block: {b}, offset: {o}");
+        }
+        let _ = write!(
+            loc,
+            ", pads_trimmed: {}, batch_row: {}, batch_size: {}",
+            d.pads_trimmed, d.batch_row, d.batch_size
+        );
+        let _ = writeln!(s, "    divergence: {{{loc}}}");
+        let _ = writeln!(s, "    reference_token: {}", d.reference_token);
+        let _ = writeln!(s, "    token: {}", d.token);
+    }
+    let _ = writeln!(s, "    tokens: {}", ids(&r.tokens));
+    if r.tokens != r.reference_tokens {
+        let _ = writeln!(s, "    reference_tokens: {}", ids(&r.reference_tokens));
+    }
+    if let Some(f) = &r.failure {
+        let _ = writeln!(s, "    failure: {}", yaml_str(&strip_numbers_after_rms(f)));
+    }
+    for n in &r.notes {
+        let _ = writeln!(s, "    note: {}", yaml_str(n));
+    }
+}
+
+/// The failure text embeds a full-precision RMS; keep the sentence but not the digits, which
+/// the bucket already reports.
+fn strip_numbers_after_rms(f: &str) -> String {
+    f.split("; ")
+        .map(|part| {
+            if part.starts_with("max relative RMS") {
+                "max relative RMS over tolerance"
+            } else {
+                part
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// A decade bucket: `0`, or `< 1e-N` for the smallest power of ten above the value. Float noise
+/// moves a value within its decade, not across it, in practice; identical paths report `0`.
+pub fn bucket(x: f32) -> String {
+    if x == 0.0 {
+        return "0".into();
+    }
+    if !x.is_finite() {
+        return "nan".into();
+    }
+    let exp = x.log10().floor() as i32 + 1;
+    format!("\"< 1e{exp}\"")
+}
+
+fn ids(v: &[u32]) -> String {
+    let items: Vec<String> = v.iter().map(u32::to_string).collect();
+    format!("[{}]", items.join(", "))
+}
+
+/// A YAML scalar that is always valid: plain when safe, double-quoted JSON-style otherwise.
+fn yaml_str(s: &str) -> String {
+    let plain = !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./ ".contains(c))
+        && !s.starts_with(['-', ' ', '.'])
+        && !s.ends_with(' ')
+        && !matches!(s, "true" | "false" | "null" | "yes" | "no" | "on" | "off")
+        && s.parse::<f64>().is_err();
+    if plain {
+        s.to_string()
+    } else {
+        serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
+    }
+}
+
+pub fn file_stem(checkpoint: &str, scenario: &str) -> String {
+    let clean = |s: &str| {
+        s.chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || "-_.".contains(c) {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect::<String>()
+    };
+    format!("{}__{}", clean(checkpoint), clean(scenario))
+}
+
+/// Compare rendered snapshots with the accepted ones in `dir`, writing per `mode`. Returns the
+/// paths of snapshots that differ from (or are missing in) the accepted set.
+pub fn check(
+    dir: &Path,
+    rendered: &BTreeMap<String, String>,
+    mode: UpdateMode,
+) -> std::io::Result<Vec<PathBuf>> {
+    let mut changes = Vec::new();
+    for (stem, content) in rendered {
+        let accepted = dir.join(format!("{stem}.snap"));
+        let pending = dir.join(format!("{stem}.snap.new"));
+        let old = std::fs::read_to_string(&accepted).ok();
+        if old.as_deref() == Some(content.as_str()) {
+            if pending.exists() {
+                std::fs::remove_file(&pending)?;
+            }
+            continue;
+        }
+        let write_accepted = match mode {
+            UpdateMode::Always => true,
+            UpdateMode::Unseen => old.is_none(),
+            UpdateMode::New | UpdateMode::No => false,
+        };
+        std::fs::create_dir_all(dir)?;
+        if write_accepted {
+            std::fs::write(&accepted, content)?;
+            if pending.exists() {
+                std::fs::remove_file(&pending)?;
+            }
+            continue;
+        }
+        if mode != UpdateMode::No {
+            std::fs::write(&pending, content)?;
+        }
+        changes.push(accepted);
+    }
+    Ok(changes)
+}
+
+/// Pending snapshots (`*.snap.new`) under `dir`, recursively, sorted.
+pub fn pending(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.to_string_lossy().ends_with(".snap.new") {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The accepted path a pending snapshot would replace.
+pub fn accepted_path(pending: &Path) -> PathBuf {
+    let s = pending.to_string_lossy();
+    PathBuf::from(s.strip_suffix(".new").unwrap_or(&s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_decades() {
+        assert_eq!(bucket(0.0), "0");
+        assert_eq!(bucket(3.2e-7), "\"< 1e-6\"");
+        assert_eq!(bucket(9.9e-7), "\"< 1e-6\"");
+        assert_eq!(bucket(1.5e-2), "\"< 1e-1\"");
+        assert_eq!(bucket(f32::NAN), "nan");
+    }
+
+    #[test]
+    fn yaml_strings_quote_what_yaml_would_misread() {
+        assert_eq!(yaml_str("llama-tiny"), "llama-tiny");
+        assert_eq!(yaml_str("true"), "\"true\"");
+        assert_eq!(yaml_str("37"), "\"37\"");
+        assert_eq!(yaml_str("a: b"), "\"a: b\"");
+        assert_eq!(yaml_str("line\nbreak"), "\"line\\nbreak\"");
+    }
+}

@@ -1,0 +1,251 @@
+//! `parity bench`: prefill and decode speed and KV memory of both backends, in the same
+//! process and run, warm-up excluded, median and spread over repetitions. Absolute times on a
+//! shared machine are noise; the paged/dense ratio is the figure to read.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::engine;
+use crate::error::Result;
+use crate::kv::{Backend, KvCache, KvStats};
+use crate::model::{Model, RowStep};
+use crate::scenario::{Harness, Settings};
+
+/// Prompt ids shared with `ci/bench_mlx_lm.py`, so both runtimes do the same computation.
+pub fn prompt_ids(len: usize, vocab: usize) -> Vec<u32> {
+    (0..len)
+        .map(|i| if vocab >= 21_000 { 1000 + (i * 7919) % 20_000 } else { 3 + (i * 7919) % (vocab - 3) } as u32)
+        .collect()
+}
+
+/// Ragged prompt lengths for a batch: row 0 has `prompt_len`, later rows down to about half.
+pub fn ragged_lengths(prompt_len: usize, batch: usize) -> Vec<usize> {
+    (0..batch)
+        .map(|b| (prompt_len - b * prompt_len / (2 * batch)).max(1))
+        .collect()
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    pub fn of(mut xs: Vec<f64>) -> Spread {
+        xs.sort_by(|a, b| a.total_cmp(b));
+        let n = xs.len();
+        let median = if n == 0 {
+            0.0
+        } else if n % 2 == 1 {
+            xs[n / 2]
+        } else {
+            (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+        };
+        Spread {
+            median,
+            min: xs.first().copied().unwrap_or(0.0),
+            max: xs.last().copied().unwrap_or(0.0),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchRow {
+    pub backend: Backend,
+    pub batch: usize,
+    pub prompt_lengths: Vec<usize>,
+    pub prefill_tps: Spread,
+    pub decode_tps: Spread,
+    pub ttft_ms: Spread,
+    /// KV memory after the last decode step of a repetition.
+    pub kv: KvStats,
+    /// Greedy tokens of row 0 (first repetition), to check both backends computed the same.
+    pub tokens: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct BenchOptions {
+    pub prompt_len: usize,
+    pub decode: usize,
+    pub reps: usize,
+    pub block_size: usize,
+}
+
+/// One repetition: prefill each row (timing row 0's time to first token), then `decode`
+/// batched greedy steps.
+fn once(
+    model: &Model,
+    kv: &mut dyn KvCache,
+    lengths: &[usize],
+    decode: usize,
+) -> Result<(f64, f64, f64, KvStats, Vec<u32>)> {
+    let vocab = model.config.vocab_size;
+    let mut seqs = Vec::new();
+    let mut next = Vec::new();
+    let mut prefill_secs = 0.0;
+    let mut ttft = 0.0;
+    for (b, &len) in lengths.iter().enumerate() {
+        let seq = kv.create(0)?;
+        let t = Instant::now();
+        let logits = model.forward(kv, &[RowStep::new(seq, prompt_ids(len, vocab))])?;
+        let tok = engine::greedy(&logits)?[0];
+        let secs = t.elapsed().as_secs_f64();
+        prefill_secs += secs;
+        if b == 0 {
+            ttft = secs;
+        }
+        seqs.push(seq);
+        next.push(tok);
+    }
+    let mut tokens = vec![next[0]];
+    let t = Instant::now();
+    for _ in 0..decode {
+        let rows: Vec<RowStep> = seqs
+            .iter()
+            .zip(&next)
+            .map(|(&s, &t)| RowStep::new(s, vec![t]))
+            .collect();
+        let logits = model.forward(kv, &rows)?;
+        next = engine::greedy(&logits)?;
+        tokens.push(next[0]);
+    }
+    let decode_secs = t.elapsed().as_secs_f64();
+    let total: usize = lengths.iter().sum();
+    let stats = kv.stats();
+    Ok((
+        total as f64 / prefill_secs,
+        (lengths.len() * decode) as f64 / decode_secs,
+        ttft * 1e3,
+        stats,
+        tokens,
+    ))
+}
+
+pub fn bench(
+    model: &Model,
+    backends: &[Backend],
+    batches: &[usize],
+    o: BenchOptions,
+) -> Result<Vec<BenchRow>> {
+    let settings = Settings {
+        block_size: o.block_size,
+        poison: false,
+        ..Settings::default()
+    };
+    let h = Harness::new(model, settings, model.faults);
+    let mut rows = Vec::new();
+    for &batch in batches {
+        let lengths = ragged_lengths(o.prompt_len, batch);
+        for &backend in backends {
+            // Warm-up: first-touch allocation and MLX's lazy initialisation, not measured.
+            once(model, h.kv(backend)?.as_mut(), &lengths, o.decode.min(4))?;
+            let (mut p, mut d, mut t) = (Vec::new(), Vec::new(), Vec::new());
+            let mut last = None;
+            for _ in 0..o.reps.max(1) {
+                let (pt, dt, ttft, stats, tokens) =
+                    once(model, h.kv(backend)?.as_mut(), &lengths, o.decode)?;
+                p.push(pt);
+                d.push(dt);
+                t.push(ttft);
+                if last.is_none() {
+                    last = Some((stats, tokens));
+                } else if let Some(l) = last.as_mut() {
+                    l.0 = stats;
+                }
+            }
+            let (kv, tokens) = last.unwrap_or_default();
+            rows.push(BenchRow {
+                backend,
+                batch,
+                prompt_lengths: lengths.clone(),
+                prefill_tps: Spread::of(p),
+                decode_tps: Spread::of(d),
+                ttft_ms: Spread::of(t),
+                kv,
+                tokens,
+            });
+        }
+    }
+    Ok(rows)
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1024.0 * 1024.0)
+}
+
+pub fn render(rows: &[BenchRow]) -> String {
+    let mut s = String::new();
+    s += &format!(
+        "{:<6} {:>5} {:>22} {:>22} {:>12} {:>10} {:>10} {:>10}\n",
+        "kv",
+        "batch",
+        "prefill tok/s (min-max)",
+        "decode tok/s (min-max)",
+        "TTFT ms",
+        "KV live",
+        "KV in use",
+        "reserved"
+    );
+    for r in rows {
+        s += &format!(
+            "{:<6} {:>5} {:>8.1} ({:>5.1}-{:>5.1}) {:>8.1} ({:>5.1}-{:>5.1}) {:>12.1} {:>8.2}Mi {:>8.2}Mi {:>8.2}Mi\n",
+            r.backend.name(),
+            r.batch,
+            r.prefill_tps.median,
+            r.prefill_tps.min,
+            r.prefill_tps.max,
+            r.decode_tps.median,
+            r.decode_tps.min,
+            r.decode_tps.max,
+            r.ttft_ms.median,
+            mib(r.kv.bytes_live),
+            mib(r.kv.bytes_in_use),
+            mib(r.kv.bytes_reserved),
+        );
+    }
+    let mut batches: Vec<usize> = rows.iter().map(|r| r.batch).collect();
+    batches.dedup();
+    for b in batches {
+        let find = |k: Backend| rows.iter().find(|r| r.batch == b && r.backend == k);
+        if let (Some(d), Some(p)) = (find(Backend::Dense), find(Backend::Paged)) {
+            s += &format!(
+                "batch {b}: paged/dense decode {:.3}, prefill {:.3}, KV in use {:.2}x; tokens {}\n",
+                p.decode_tps.median / d.decode_tps.median,
+                p.prefill_tps.median / d.prefill_tps.median,
+                p.kv.bytes_in_use as f64 / d.kv.bytes_in_use.max(1) as f64,
+                if p.tokens == d.tokens {
+                    "identical"
+                } else {
+                    "DIFFER"
+                }
+            );
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_formula_matches_the_mlx_lm_script() {
+        assert_eq!(prompt_ids(3, 49_152), vec![1000, 8919, 16838]);
+        assert_eq!(prompt_ids(2, 320), vec![3, 3 + 7919 % 317]);
+    }
+
+    #[test]
+    fn ragged_lengths_span_full_to_about_half() {
+        assert_eq!(ragged_lengths(128, 1), vec![128]);
+        assert_eq!(ragged_lengths(128, 4), vec![128, 112, 96, 80]);
+    }
+
+    #[test]
+    fn spread_median() {
+        let s = Spread::of(vec![3.0, 1.0, 2.0]);
+        assert_eq!((s.median, s.min, s.max), (2.0, 1.0, 3.0));
+    }
+}

@@ -1,0 +1,247 @@
+//! `parity run SUITE`: the face of the product (before merging, nightly, under bisect).
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::Args as ClapArgs;
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use super::{EXIT_FAIL, EXIT_SKIP, EXIT_USAGE};
+use crate::kv::Backend;
+use crate::report::snapshot::{self, UpdateMode};
+use crate::report::{Report, Shard};
+use crate::run::{Progress, RunOptions, run_suite};
+use crate::scenario::Scenario;
+use crate::suite;
+
+#[derive(ClapArgs, Clone)]
+pub struct Args {
+    /// Suite file (TOML).
+    pub suite: PathBuf,
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// Absent checkpoints fail the run instead of being skipped.
+    #[arg(long)]
+    pub require_models: bool,
+    /// For `git bisect run`: exit 125 (skip this commit) when a checkpoint is absent or fails
+    /// to load; judge only parity verdicts, not snapshot changes.
+    #[arg(long)]
+    pub bisect: bool,
+    /// Snapshot handling on change: new (write .snap.new), always (accept), unseen, no.
+    /// Defaults to $PARITY_UPDATE, then $INSTA_UPDATE, then new.
+    #[arg(long)]
+    pub update: Option<UpdateMode>,
+    /// Do not compare or write snapshot reports.
+    #[arg(long)]
+    pub no_snapshots: bool,
+    /// Where snapshot reports live (default: reports/ next to the suite's directory).
+    #[arg(long)]
+    pub reports: Option<PathBuf>,
+}
+
+/// Options shared by `run` and `selftest`.
+#[derive(ClapArgs, Clone, Default)]
+pub struct CommonArgs {
+    /// Write the full machine report (JSON) here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write a JUnit XML report here (one test case per row).
+    #[arg(long)]
+    pub junit: Option<PathBuf>,
+    /// Write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).
+    #[arg(long)]
+    pub markdown: Option<PathBuf>,
+    /// Only rows whose `checkpoint/prompt/scenario/backend` contains this text.
+    #[arg(long)]
+    pub filter: Option<String>,
+    /// Only these scenarios (repeatable).
+    #[arg(long = "scenario", value_parser = parse_scenario)]
+    pub scenarios: Vec<Scenario>,
+    /// Only these backends (repeatable).
+    #[arg(long = "backend")]
+    pub backends: Vec<Backend>,
+    /// Run shard I of N (1-based): split a suite across CI runners; merge with `parity merge`.
+    #[arg(long, value_parser = parse_shard)]
+    pub shard: Option<Shard>,
+}
+
+fn parse_scenario(s: &str) -> Result<Scenario, String> {
+    Scenario::parse(s).ok_or_else(|| {
+        let known: Vec<&str> = crate::scenario::ALL.iter().map(|s| s.name()).collect();
+        format!("unknown scenario `{s}`; known: {}", known.join(", "))
+    })
+}
+
+fn parse_shard(s: &str) -> Result<Shard, String> {
+    let (i, n) = s.split_once('/').ok_or("expected I/N, e.g. 2/4")?;
+    let index: usize = i.parse().map_err(|_| format!("bad shard index `{i}`"))?;
+    let count: usize = n.parse().map_err(|_| format!("bad shard count `{n}`"))?;
+    if count == 0 || index == 0 || index > count {
+        return Err(format!("shard {index}/{count}: need 1 <= I <= N"));
+    }
+    Ok(Shard { index, count })
+}
+
+impl CommonArgs {
+    pub fn options(&self) -> RunOptions {
+        RunOptions {
+            filter: self.filter.clone(),
+            scenarios: (!self.scenarios.is_empty()).then(|| self.scenarios.clone()),
+            backends: (!self.backends.is_empty()).then(|| self.backends.clone()),
+            shard: self.shard,
+            ..RunOptions::default()
+        }
+    }
+
+    /// Whether rows of a (checkpoint, scenario) may be missing (then snapshots cannot be
+    /// compared as wholes).
+    pub fn partial_rows(&self) -> bool {
+        self.filter.is_some() || !self.backends.is_empty()
+    }
+
+    /// Write the requested machine-readable reports.
+    pub fn write_reports(&self, report: &Report) -> Result<()> {
+        let write = |path: &Option<PathBuf>, content: String| -> Result<()> {
+            if let Some(p) = path {
+                if let Some(parent) = p.parent().filter(|p| !p.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(parent)
+                        .with_context(|| format!("creating {}", parent.display()))?;
+                }
+                std::fs::write(p, content).with_context(|| format!("writing {}", p.display()))?;
+            }
+            Ok(())
+        };
+        write(&self.json, report.to_json())?;
+        write(&self.junit, crate::report::junit::render(report))?;
+        write(&self.markdown, crate::report::markdown::render(report))?;
+        Ok(())
+    }
+}
+
+/// Progress bars on stderr, only when it is a terminal.
+pub struct Bars {
+    multi: MultiProgress,
+    current: std::cell::RefCell<Option<ProgressBar>>,
+}
+
+impl Bars {
+    pub fn new() -> Self {
+        let target = if std::io::stderr().is_terminal() {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        };
+        Bars {
+            multi: MultiProgress::with_draw_target(target),
+            current: std::cell::RefCell::new(None),
+        }
+    }
+}
+
+impl Progress for Bars {
+    fn checkpoint(&self, name: &str, units: usize) {
+        let bar = self.multi.add(ProgressBar::new(units as u64));
+        let style =
+            ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos}/{len} {msg} ({elapsed})")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> ");
+        bar.set_style(style);
+        bar.set_prefix(name.to_string());
+        *self.current.borrow_mut() = Some(bar);
+    }
+    fn unit(&self, label: &str) {
+        if let Some(b) = self.current.borrow().as_ref() {
+            b.set_message(label.to_string());
+        }
+    }
+    fn unit_done(&self) {
+        if let Some(b) = self.current.borrow().as_ref() {
+            b.inc(1);
+        }
+    }
+    fn checkpoint_done(&self) {
+        if let Some(b) = self.current.borrow_mut().take() {
+            b.finish_and_clear();
+        }
+    }
+}
+
+pub fn reports_dir(suite_file: &Path, explicit: &Option<PathBuf>) -> PathBuf {
+    if let Some(d) = explicit {
+        return d.clone();
+    }
+    let dir = suite_file.parent().unwrap_or(Path::new("."));
+    let parent = if dir.as_os_str().is_empty() {
+        Path::new("..")
+    } else {
+        dir.parent().unwrap_or(Path::new("."))
+    };
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    parent.join("reports")
+}
+
+pub fn run(a: Args) -> Result<ExitCode> {
+    let suite = match suite::load(&a.suite) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(EXIT_USAGE));
+        }
+    };
+    let mode = match a.update {
+        Some(m) => m,
+        None => UpdateMode::from_env().map_err(anyhow::Error::msg)?,
+    };
+    let mut opts = a.common.options();
+    opts.require_models = a.require_models;
+    let mut report = run_suite(&suite, &opts, &Bars::new());
+
+    let rendering = std::time::Instant::now();
+    if a.no_snapshots || a.common.partial_rows() {
+        if !a.no_snapshots {
+            eprintln!(
+                "note: snapshots not checked (--filter/--backend select part of a snapshot's rows)"
+            );
+        }
+    } else {
+        let dir = snapshot::dir(&reports_dir(&a.suite, &a.reports), &report);
+        let changes = snapshot::check(&dir, &snapshot::render(&report), mode)
+            .with_context(|| format!("writing snapshots under {}", dir.display()))?;
+        report.summary.snapshot_changes = changes.iter().map(|p| p.display().to_string()).collect();
+    }
+    a.common.write_reports(&report)?;
+    let color = std::io::stdout().is_terminal();
+    print!("{}", crate::report::table::render(&report, color));
+    if !report.summary.snapshot_changes.is_empty() && mode != UpdateMode::No {
+        println!(
+            "review with `parity review {}`, accept with `parity accept {}`",
+            a.suite.display(),
+            a.suite.display()
+        );
+    }
+    eprintln!(
+        "report rendered in {:.2}s",
+        rendering.elapsed().as_secs_f64()
+    );
+
+    let code = if a.bisect {
+        if report.unjudgeable() {
+            EXIT_SKIP
+        } else if report.summary.failed > 0 {
+            EXIT_FAIL
+        } else {
+            0
+        }
+    } else if report.failed() {
+        EXIT_FAIL
+    } else {
+        0
+    };
+    Ok(ExitCode::from(code))
+}

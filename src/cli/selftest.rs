@@ -1,0 +1,59 @@
+//! `parity selftest [SUITE]`: the suite must pass clean and fail under every planted fault.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::Args as ClapArgs;
+
+use super::run::{Bars, CommonArgs};
+use super::{EXIT_FAIL, EXIT_USAGE};
+use crate::faults::{self, Fault};
+use crate::selftest;
+
+#[derive(ClapArgs)]
+pub struct Args {
+    /// Suite to check (default: suites/fixtures.toml).
+    #[arg(default_value = "suites/fixtures.toml")]
+    pub suite: PathBuf,
+    /// Only these faults (repeatable; default: all).
+    #[arg(long = "fault", value_parser = parse_fault)]
+    pub faults: Vec<Fault>,
+    /// Also write the clean run's reports (--json is the selftest table as JSON).
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+fn parse_fault(s: &str) -> Result<Fault, String> {
+    Fault::parse(s).ok_or_else(|| {
+        let known: Vec<&str> = faults::ALL.iter().map(|f| f.name()).collect();
+        format!("unknown fault `{s}`; known: {}", known.join(", "))
+    })
+}
+
+pub fn run(a: Args) -> Result<ExitCode> {
+    let suite = match crate::suite::load(&a.suite) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(EXIT_USAGE));
+        }
+    };
+    let to_plant = if a.faults.is_empty() {
+        selftest::all_faults()
+    } else {
+        a.faults.clone()
+    };
+    let (report, clean) = selftest::selftest(&suite, &a.common.options(), &to_plant, &Bars::new());
+    print!("{}", selftest::render(&report));
+    if let Some(path) = &a.common.json {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+    }
+    let clean_reports = CommonArgs {
+        json: None,
+        ..a.common.clone()
+    };
+    clean_reports.write_reports(&clean)?;
+    Ok(ExitCode::from(if report.ok() { 0 } else { EXIT_FAIL }))
+}

@@ -1,0 +1,347 @@
+//! The terminal summary printed at the end of `parity run`: one aligned line per
+//! (checkpoint, scenario, backend), a block per failing row that says where in the layout the
+//! path left its reference, skipped checkpoints, and a last line with the totals.
+//!
+//! The describing helpers here are shared with the JUnit and Markdown renderers so that a
+//! failure reads the same in a terminal, a CI test tab and a step summary.
+
+use std::fmt::Write;
+
+use super::{CheckpointReport, CheckpointStatus, DivergenceReport, Report, Row};
+use crate::compare::{TOP_K, Verdict};
+
+const VERDICTS: [Verdict; 5] = [
+    Verdict::Identical,
+    Verdict::NearTie,
+    Verdict::Diverged,
+    Verdict::Error,
+    Verdict::Skipped,
+];
+
+/// Indent of the detail lines under a `FAIL` header.
+const INDENT: &str = "    ";
+
+pub fn render(report: &Report, color: bool) -> String {
+    let paint = Paint(color);
+    let mut out = String::new();
+    if !report.faults.is_empty() {
+        let _ = writeln!(out, "planted faults: {}", report.faults.join(", "));
+        out.push('\n');
+    }
+
+    let groups = groups(&report.rows);
+    let width = |f: fn(&Row) -> &str| groups.iter().map(|g| f(g[0]).len()).max().unwrap_or(0);
+    let (wc, ws, wb) = (
+        width(|r| r.checkpoint.as_str()),
+        width(|r| r.scenario.as_str()),
+        width(|r| r.backend.as_str()),
+    );
+    for g in &groups {
+        let failed = g.iter().filter(|r| failing(r)).count();
+        let status = if failed > 0 {
+            paint.red("FAIL")
+        } else if g.iter().all(|r| r.verdict == Verdict::Skipped) {
+            paint.yellow("SKIP")
+        } else {
+            paint.green("PASS")
+        };
+        let mut counts = counts(g.iter().copied());
+        if failed > 0 {
+            let _ = write!(counts, "; {failed} failed");
+        }
+        let _ = writeln!(
+            out,
+            "{status}  {:wc$}  {:ws$}  {:wb$}  {counts}",
+            g[0].checkpoint, g[0].scenario, g[0].backend
+        );
+    }
+
+    for c in &report.checkpoints {
+        if c.status != CheckpointStatus::Error {
+            continue;
+        }
+        let n = report
+            .rows
+            .iter()
+            .filter(|r| r.checkpoint == c.name)
+            .count();
+        let _ = writeln!(
+            out,
+            "\n{} {}: checkpoint error, {} not run",
+            paint.red("FAIL"),
+            c.name,
+            plural(n, "row")
+        );
+        for line in c.reason.as_deref().unwrap_or("no reason recorded").lines() {
+            let _ = writeln!(out, "{INDENT}{line}");
+        }
+    }
+    for row in report.rows.iter().filter(|r| failing(r)) {
+        let checkpoint = report.checkpoints.iter().find(|c| c.name == row.checkpoint);
+        // A checkpoint that never ran failed all its rows for one reason, said once above.
+        if checkpoint.is_some_and(|c| c.status == CheckpointStatus::Error) {
+            continue;
+        }
+        let _ = writeln!(out, "\n{} {}", paint.red("FAIL"), row_id(row));
+        for (label, value) in details(row, checkpoint) {
+            for (k, line) in value.lines().enumerate() {
+                let label = if k == 0 { label } else { "" };
+                let text = format!("{INDENT}{label:11} {line}");
+                // Only the padding is trimmed: a trailing space in a text diff is content.
+                let text = if line.is_empty() {
+                    text.trim_end()
+                } else {
+                    &text
+                };
+                let _ = writeln!(out, "{text}");
+            }
+        }
+    }
+
+    let skipped: Vec<&CheckpointReport> = report
+        .checkpoints
+        .iter()
+        .filter(|c| c.status == CheckpointStatus::Skipped)
+        .collect();
+    if !skipped.is_empty() {
+        out.push('\n');
+    }
+    for c in skipped {
+        let _ = writeln!(
+            out,
+            "{} {}: {}",
+            paint.yellow("SKIP"),
+            c.name,
+            first_line(c.reason.as_deref())
+        );
+    }
+
+    let s = &report.summary;
+    out.push('\n');
+    for name in &s.snapshot_changes {
+        let _ = writeln!(out, "snapshot changed: {name}");
+    }
+    let mut last = format!(
+        "{}: {} passed, {} failed, {} skipped; {}; {:.2}s",
+        plural(s.rows, "row"),
+        s.passed,
+        s.failed,
+        s.skipped,
+        plural(s.snapshot_changes.len(), "snapshot change"),
+        s.seconds
+    );
+    if let Some(shard) = report.shard {
+        let _ = write!(last, " (shard {}/{})", shard.index, shard.count);
+    }
+    let last = if report.failed() {
+        paint.red(&last)
+    } else {
+        paint.green(&last)
+    };
+    let _ = writeln!(out, "{last}");
+    out
+}
+
+/// A row that counts as failed in the summary (see `Summary::of`).
+pub(crate) fn failing(row: &Row) -> bool {
+    !row.pass && row.verdict != Verdict::Skipped
+}
+
+/// `checkpoint/prompt/scenario:case/backend`: what `--filter` matches, and what a reviewer
+/// searches the JSON report for.
+pub(crate) fn row_id(row: &Row) -> String {
+    format!("{}/{}", row.checkpoint, case_id(row))
+}
+
+/// The row's id inside its checkpoint.
+pub(crate) fn case_id(row: &Row) -> String {
+    format!(
+        "{}/{}:{}/{}",
+        row.prompt, row.scenario, row.case, row.backend
+    )
+}
+
+/// Rows grouped by (checkpoint, scenario, backend), in order of first appearance, so the
+/// table follows the suite file.
+pub(crate) fn groups(rows: &[Row]) -> Vec<Vec<&Row>> {
+    let mut out: Vec<Vec<&Row>> = Vec::new();
+    for r in rows {
+        let same = |g: &&mut Vec<&Row>| {
+            g[0].checkpoint == r.checkpoint
+                && g[0].scenario == r.scenario
+                && g[0].backend == r.backend
+        };
+        match out.iter_mut().find(same) {
+            Some(g) => g.push(r),
+            None => out.push(vec![r]),
+        }
+    }
+    out
+}
+
+/// `12 identical, 1 near-tie`, verdicts in order of severity, zeros left out.
+pub(crate) fn counts<'a>(rows: impl Iterator<Item = &'a Row> + Clone) -> String {
+    let parts: Vec<String> = VERDICTS
+        .iter()
+        .filter_map(|&v| {
+            let n = rows.clone().filter(|r| r.verdict == v).count();
+            (n > 0).then(|| format!("{n} {}", v.name()))
+        })
+        .collect();
+    if parts.is_empty() {
+        "no rows".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+/// Labelled facts about a failing row, most telling first; values may span lines.
+pub(crate) fn details(
+    row: &Row,
+    checkpoint: Option<&CheckpointReport>,
+) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    out.push((
+        "failure",
+        row.failure
+            .clone()
+            .unwrap_or_else(|| row.verdict.name().to_string()),
+    ));
+    if let Some(d) = &row.first_divergence {
+        out.push(("divergence", location(d, row.paths, checkpoint)));
+        out.push((
+            "reference",
+            format!("{}; gap {:.3}", top2(&d.reference_top), d.reference_gap),
+        ));
+        let mutual = if d.mutual_top_k {
+            "mutual"
+        } else {
+            "not mutual"
+        };
+        out.push((
+            "path",
+            format!(
+                "{}; shift {:.3}, tie threshold {:.3}, {mutual} top-{TOP_K}",
+                top2(&d.top),
+                d.observed_shift,
+                d.tie_threshold
+            ),
+        ));
+    }
+    if row.verdict != Verdict::Error {
+        out.push(("rel RMS", rms(row)));
+    }
+    if let (Some(r), Some(t)) = (&row.reference_text, &row.text) {
+        // Equal text under equal tokens says nothing the verdict did not; equal text under
+        // different tokens is a tokenization flip, worth saying.
+        if r != t {
+            out.push(("text", super::diff::text_diff(r, t)));
+        } else if row.tokens != row.reference_tokens {
+            out.push(("text", "same decoded text, different tokens".into()));
+        }
+    }
+    if !row.notes.is_empty() {
+        out.push(("notes", row.notes.join("\n")));
+    }
+    out
+}
+
+/// Where the path left its reference, in the terms of the cache layout: the position within
+/// a tile and the block/offset are what tell a RoPE bug from a block-boundary bug.
+pub(crate) fn location(d: &DivergenceReport, paths: usize, c: Option<&CheckpointReport>) -> String {
+    let mut s = format!("step {}", d.step);
+    if paths > 1 {
+        let _ = write!(s, ", path {} of {paths}", d.path);
+    }
+    let _ = write!(
+        s,
+        ", position {} ({} mod tile",
+        d.position, d.position_mod_tile
+    );
+    if let Some(c) = c {
+        let _ = write!(s, " {}", c.settings.tile);
+    }
+    let _ = write!(s, "), kv row {}", d.kv_row);
+    if let (Some(b), Some(o)) = (d.block_index, d.offset_in_block) {
+        let _ = write!(s, " (block {b} offset {o})");
+    }
+    if d.pads_trimmed > 0 {
+        let _ = write!(s, ", {} trimmed", plural(d.pads_trimmed, "pad"));
+    }
+    let _ = write!(s, ", batch row {} of {}", d.batch_row, d.batch_size);
+    s
+}
+
+/// `11 (14.250), 42 (13.750)`: token ids with their logits.
+pub(crate) fn top2(top: &[(u32, f32)]) -> String {
+    let parts: Vec<String> = top
+        .iter()
+        .take(2)
+        .map(|(t, l)| format!("{t} ({l:.3})"))
+        .collect();
+    format!("top-2 {}", parts.join(", "))
+}
+
+/// The largest relative RMS, next to what two correct runs differ by on this machine.
+pub(crate) fn rms(row: &Row) -> String {
+    let Some(m) = row.max_rel_rms else {
+        return if row.nan {
+            "NaN (a poisoned or freed row was read)".into()
+        } else {
+            "not measured".into()
+        };
+    };
+    let mut s = format!("max {m:.3e}");
+    match row.noise_floor_rel_rms {
+        Some(f) if f > 0.0 => {
+            let ratio = m / f;
+            let ratio = if ratio >= 10.0 {
+                format!("{ratio:.0}")
+            } else {
+                format!("{ratio:.1}")
+            };
+            let _ = write!(s, ", {ratio}x noise floor ({f:.3e})");
+        }
+        Some(_) => s.push_str(", floor 0"),
+        None => s.push_str(", no noise floor"),
+    }
+    if let Some(kl) = row.max_kl {
+        let _ = write!(s, "; max KL {kl:.3e}");
+    }
+    s
+}
+
+pub(crate) fn first_line(reason: Option<&str>) -> &str {
+    reason
+        .and_then(|r| r.lines().next())
+        .unwrap_or("no reason recorded")
+}
+
+pub(crate) fn plural(n: usize, word: &str) -> String {
+    if n == 1 {
+        format!("{n} {word}")
+    } else {
+        format!("{n} {word}s")
+    }
+}
+
+struct Paint(bool);
+
+impl Paint {
+    fn wrap(&self, code: &str, s: &str) -> String {
+        if self.0 {
+            format!("\x1b[{code}m{s}\x1b[0m")
+        } else {
+            s.to_string()
+        }
+    }
+    fn red(&self, s: &str) -> String {
+        self.wrap("31", s)
+    }
+    fn green(&self, s: &str) -> String {
+        self.wrap("32", s)
+    }
+    fn yellow(&self, s: &str) -> String {
+        self.wrap("33", s)
+    }
+}

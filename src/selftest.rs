@@ -1,0 +1,243 @@
+//! Self-check: run a suite clean (it must pass), then once per planted fault (it must fail).
+//! A harness that passes a broken engine is worse than none.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::compare::Verdict;
+use crate::faults::{self, Fault, Faults};
+use crate::report::{Report, Row};
+use crate::run::{Progress, RunOptions, run_suite};
+use crate::suite::Suite;
+
+/// What one fault did to one scenario.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Cell {
+    pub worst: Verdict,
+    pub failed_rows: usize,
+    pub rows: usize,
+    /// The first failing row: `checkpoint/prompt/case/backend`.
+    pub first_row: Option<String>,
+    /// Its first divergence in layout terms, or its failure text.
+    pub location: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct FaultOutcome {
+    pub fault: String,
+    pub caught: bool,
+    pub scenarios: BTreeMap<String, Cell>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct SelftestReport {
+    pub suite: String,
+    pub clean_passed: bool,
+    pub clean_failures: Vec<String>,
+    pub faults: Vec<FaultOutcome>,
+    pub seconds: f64,
+}
+
+impl SelftestReport {
+    pub fn ok(&self) -> bool {
+        self.clean_passed && self.faults.iter().all(|f| f.caught)
+    }
+}
+
+pub fn row_id(r: &Row) -> String {
+    format!(
+        "{}/{}/{}:{}/{}",
+        r.checkpoint, r.prompt, r.scenario, r.case, r.backend
+    )
+}
+
+/// One line locating a row's failure: the divergence in layout terms, else the failure text.
+pub fn location(r: &Row) -> String {
+    match &r.first_divergence {
+        Some(d) => {
+            let mut s = format!(
+                "step {} pos {} (mod tile {})",
+                d.step, d.position, d.position_mod_tile
+            );
+            if let (Some(b), Some(o)) = (d.block_index, d.offset_in_block) {
+                s += &format!(" block {b}+{o}");
+            }
+            if d.pads_trimmed > 0 {
+                s += &format!(" pads {}", d.pads_trimmed);
+            }
+            if d.batch_size > 1 {
+                s += &format!(" row {}/{}", d.batch_row, d.batch_size);
+            }
+            if r.nan {
+                s += " NaN";
+            }
+            s
+        }
+        None => r
+            .failure
+            .clone()
+            .unwrap_or_else(|| r.verdict.name().to_string()),
+    }
+}
+
+fn outcome(fault: Fault, report: &Report) -> FaultOutcome {
+    let mut scenarios: BTreeMap<String, Cell> = BTreeMap::new();
+    for r in &report.rows {
+        let cell = scenarios.entry(r.scenario.clone()).or_insert(Cell {
+            worst: Verdict::Skipped,
+            failed_rows: 0,
+            rows: 0,
+            first_row: None,
+            location: None,
+        });
+        cell.rows += 1;
+        if r.verdict.rank() > cell.worst.rank() {
+            cell.worst = r.verdict;
+        }
+        if !r.pass && r.verdict != Verdict::Skipped {
+            cell.failed_rows += 1;
+            if cell.first_row.is_none() {
+                cell.first_row = Some(row_id(r));
+                cell.location = Some(location(r));
+            }
+        }
+    }
+    FaultOutcome {
+        fault: fault.name().to_string(),
+        caught: report.summary.failed > 0,
+        scenarios,
+    }
+}
+
+/// Run `suite` clean and under each of `faults_to_plant`.
+pub fn selftest(
+    suite: &Suite,
+    opts: &RunOptions,
+    faults_to_plant: &[Fault],
+    progress: &dyn Progress,
+) -> (SelftestReport, Report) {
+    let started = std::time::Instant::now();
+    let clean = run_suite(
+        suite,
+        &RunOptions {
+            faults: Faults::NONE,
+            ..opts.clone()
+        },
+        progress,
+    );
+    let clean_failures: Vec<String> = clean
+        .rows
+        .iter()
+        .filter(|r| !r.pass && r.verdict != Verdict::Skipped)
+        .map(|r| format!("{}: {}", row_id(r), r.failure.clone().unwrap_or_default()))
+        .collect();
+    let mut outcomes = Vec::new();
+    for &f in faults_to_plant {
+        let report = run_suite(
+            suite,
+            &RunOptions {
+                faults: Faults::only(f),
+                ..opts.clone()
+            },
+            progress,
+        );
+        outcomes.push(outcome(f, &report));
+    }
+    let report = SelftestReport {
+        suite: suite.name.clone(),
+        clean_passed: clean_failures.is_empty() && clean.summary.passed > 0,
+        clean_failures,
+        faults: outcomes,
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    (report, clean)
+}
+
+/// Every fault, in declaration order.
+pub fn all_faults() -> Vec<Fault> {
+    faults::ALL.to_vec()
+}
+
+/// The fault x scenario table.
+pub fn render(r: &SelftestReport) -> String {
+    let scenarios: Vec<String> = {
+        let mut s: Vec<String> = r
+            .faults
+            .iter()
+            .flat_map(|f| f.scenarios.keys().cloned())
+            .collect();
+        s.sort();
+        s.dedup();
+        s
+    };
+    let mut out = String::new();
+    out += &format!("selftest of suite `{}`\n", r.suite);
+    out += &format!(
+        "clean run: {}\n",
+        if r.clean_passed {
+            "PASS".to_string()
+        } else {
+            format!("FAIL ({} rows)", r.clean_failures.len())
+        }
+    );
+    for f in &r.clean_failures {
+        out += &format!("  {f}\n");
+    }
+    let width = 12;
+    out += &format!("\n{:<24} {:<8}", "fault", "caught");
+    for s in &scenarios {
+        out += &format!(" {s:<width$}");
+    }
+    out += "\n";
+    for f in &r.faults {
+        out += &format!("{:<24} {:<8}", f.fault, if f.caught { "yes" } else { "NO" });
+        for s in &scenarios {
+            let cell = f.scenarios.get(s).map(|c| {
+                if c.failed_rows > 0 {
+                    format!("{} {}/{}", short(c.worst), c.failed_rows, c.rows)
+                } else {
+                    "-".into()
+                }
+            });
+            out += &format!(" {:<width$}", cell.unwrap_or_default());
+        }
+        out += "\n";
+    }
+    out += "\nfirst failing row per fault and scenario:\n";
+    for f in &r.faults {
+        for (s, c) in &f.scenarios {
+            if let (Some(row), Some(loc)) = (&c.first_row, &c.location) {
+                out += &format!("  {:<22} {:<11} {row}: {loc}\n", f.fault, s);
+            }
+        }
+    }
+    let undetected: Vec<&str> = r
+        .faults
+        .iter()
+        .filter(|f| !f.caught)
+        .map(|f| f.fault.as_str())
+        .collect();
+    out += &format!(
+        "\n{}: {} of {} faults caught, clean run {} ({:.1}s)\n",
+        if r.ok() { "PASS" } else { "FAIL" },
+        r.faults.len() - undetected.len(),
+        r.faults.len(),
+        if r.clean_passed { "passed" } else { "failed" },
+        r.seconds
+    );
+    if !undetected.is_empty() {
+        out += &format!("undetected: {}\n", undetected.join(", "));
+    }
+    out
+}
+
+fn short(v: Verdict) -> &'static str {
+    match v {
+        Verdict::Identical => "ident",
+        Verdict::NearTie => "tie",
+        Verdict::Diverged => "DIV",
+        Verdict::Error => "ERR",
+        Verdict::Skipped => "skip",
+    }
+}

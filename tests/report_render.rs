@@ -1,0 +1,434 @@
+//! The report renderings (terminal table, JUnit, Markdown), shard merging and the text diff,
+//! on a hand-built report that has one of everything a reviewer may meet.
+
+use std::collections::BTreeMap;
+
+use parity::compare::Verdict;
+use parity::report::diff::text_diff;
+use parity::report::merge::merge;
+use parity::report::{
+    CheckpointReport, CheckpointStatus, DivergenceReport, Environment, Phase, Report, Row,
+    SCHEMA_VERSION, Shard, Summary, junit, markdown, table,
+};
+use parity::scenario::Settings;
+
+const NOT_FOUND: &str = "checkpoint `Qwen/Qwen3-0.6B` not found; looked in:
+  - /work/suites/Qwen/Qwen3-0.6B
+  - /home/ci/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B
+parity never downloads. Fetch it on a machine with network access, e.g.
+  huggingface-cli download Qwen/Qwen3-0.6B
+(or set HF_HUB_CACHE / HF_HOME to a cache that has it)";
+
+fn row(checkpoint: &str, scenario: &str, case: &str, backend: &str, verdict: Verdict) -> Row {
+    let ran = !matches!(verdict, Verdict::Error | Verdict::Skipped);
+    Row {
+        checkpoint: checkpoint.into(),
+        prompt: "len37".into(),
+        scenario: scenario.into(),
+        case: case.into(),
+        backend: backend.into(),
+        verdict,
+        pass: verdict != Verdict::Error,
+        failure: None,
+        first_divergence: None,
+        tokens: if ran {
+            vec![576, 6722, 315, 9625]
+        } else {
+            vec![]
+        },
+        reference_tokens: if ran {
+            vec![576, 6722, 315, 9625]
+        } else {
+            vec![]
+        },
+        text: ran.then(|| "The capital of France is Paris.".into()),
+        reference_text: ran.then(|| "The capital of France is Paris.".into()),
+        max_rel_rms: ran.then_some(0.0),
+        max_kl: ran.then_some(0.0),
+        step_rel_rms: if ran { vec![Some(0.0); 4] } else { vec![] },
+        noise_floor_rel_rms: ran.then_some(3.2e-6),
+        nan: false,
+        paths: usize::from(ran),
+        notes: vec![],
+    }
+}
+
+fn divergence(step: usize, path: usize, kv_row: usize, block: Option<usize>) -> DivergenceReport {
+    DivergenceReport {
+        step,
+        path,
+        reference_token: 12095,
+        token: 88701,
+        reference_top: vec![(12095, 18.25), (88701, 17.5), (279, 12.0)],
+        top: vec![(88701, 18.125), (12095, 16.875), (279, 12.0)],
+        reference_gap: 0.75,
+        observed_shift: 1.375,
+        tie_threshold: 1.375,
+        mutual_top_k: true,
+        position: kv_row,
+        position_mod_tile: kv_row % 32,
+        kv_row,
+        block_index: block,
+        offset_in_block: block.map(|_| kv_row % 16),
+        pads_trimmed: 0,
+        batch_row: path,
+        batch_size: 1,
+    }
+}
+
+fn checkpoint(name: &str, reference: &str, status: CheckpointStatus) -> CheckpointReport {
+    let ran = status == CheckpointStatus::Ran;
+    CheckpointReport {
+        name: name.into(),
+        reference: reference.into(),
+        resolved: ran.then(|| format!("/work/target/fixtures/{name}")),
+        status,
+        reason: (!ran).then(|| NOT_FOUND.into()),
+        dtype: if ran { "float32" } else { "auto" }.into(),
+        dequantized: false,
+        settings: Settings {
+            block_size: 16,
+            ..Settings::default()
+        },
+        max_rel_rms_tolerance: 1e-2,
+        allowed_verdicts: vec![Verdict::Identical, Verdict::NearTie],
+        phases: if ran {
+            vec![
+                Phase {
+                    name: "load".into(),
+                    seconds: 0.25,
+                },
+                Phase {
+                    name: "reference".into(),
+                    seconds: 1.5,
+                },
+                Phase {
+                    name: "single dense".into(),
+                    seconds: 0.5,
+                },
+            ]
+        } else {
+            vec![]
+        },
+        noise_floor: if ran {
+            BTreeMap::from([("len37".to_string(), Some(3.2e-6))])
+        } else {
+            BTreeMap::new()
+        },
+    }
+}
+
+fn report() -> Report {
+    let tiny = "qwen3-tiny";
+    let mut rows = vec![
+        row(tiny, "single", "plain", "dense", Verdict::Identical),
+        row(tiny, "single", "plain", "paged", Verdict::Identical),
+    ];
+
+    let mut tie = row(tiny, "batch2", "same", "paged", Verdict::NearTie);
+    tie.paths = 2;
+    tie.max_rel_rms = Some(2.1e-5);
+    tie.first_divergence = Some(divergence(9, 1, 45, Some(2)));
+    tie.notes = vec!["rows 37 and 37, same prompt".into()];
+    rows.push(tie);
+
+    rows.push(row(tiny, "padded", "tile", "dense", Verdict::Identical));
+    let mut bad = row(tiny, "padded", "tile", "paged", Verdict::Diverged);
+    bad.pass = false;
+    bad.failure = Some(
+        "diverged at step 1 (position 37); max relative RMS 4.100e-2 > tolerance 1.0e-2".into(),
+    );
+    let mut d = divergence(1, 0, 37, Some(2));
+    d.pads_trimmed = 27;
+    d.mutual_top_k = false;
+    bad.first_divergence = Some(d);
+    bad.tokens = vec![576, 88701, 315, 9625];
+    bad.text = Some("The capital of France is Lyon.".into());
+    bad.max_rel_rms = Some(4.1e-2);
+    bad.max_kl = Some(2.5e-1);
+    bad.notes = vec!["padded 37 -> 64, trimmed 27".into()];
+    rows.push(bad);
+
+    let mut err = row(tiny, "chunked", "*", "paged", Verdict::Error);
+    err.pass = false;
+    err.failure = Some("chunked on paged: pool exhausted: 4 blocks requested, 3 free".into());
+    rows.push(err);
+
+    let mut drift = row(tiny, "rollback", "k4", "paged", Verdict::Identical);
+    drift.pass = false;
+    drift.failure = Some("max relative RMS 3.000e-2 > tolerance 1.0e-2".into());
+    drift.max_rel_rms = Some(3e-2);
+    drift.noise_floor_rel_rms = Some(0.0);
+    drift.notes = vec!["3 rollbacks of 4 rows".into()];
+    rows.push(drift);
+
+    for backend in ["dense", "paged"] {
+        let mut s = row("qwen3-0.6b", "single", "*", backend, Verdict::Skipped);
+        s.pass = true;
+        s.notes = vec![NOT_FOUND.lines().next().unwrap_or_default().into()];
+        rows.push(s);
+    }
+
+    let mut summary = Summary::of(&rows);
+    summary.snapshot_changes = vec!["reports/qwen3/qwen3-tiny/padded.snap".into()];
+    summary.seconds = 12.5;
+    Report {
+        schema: SCHEMA_VERSION,
+        suite: "qwen3".into(),
+        suite_file: "suites/qwen3.toml".into(),
+        parity_version: "0.1.0".into(),
+        environment: Environment {
+            mlx_version: "0.25.1".into(),
+            device: "cpu".into(),
+            os: "linux".into(),
+            arch: "x86_64".into(),
+        },
+        shard: None,
+        faults: vec![],
+        checkpoints: vec![
+            checkpoint(tiny, "fixtures/qwen3-tiny.toml", CheckpointStatus::Ran),
+            checkpoint("qwen3-0.6b", "Qwen/Qwen3-0.6B", CheckpointStatus::Skipped),
+        ],
+        rows,
+        summary,
+    }
+}
+
+#[test]
+fn table() {
+    let r = report();
+    let plain = table::render(&r, false);
+    assert!(!plain.contains('\x1b'), "plain output has escapes");
+    insta::assert_snapshot!("table", plain);
+}
+
+#[test]
+fn table_colors_only_when_asked() {
+    let colored = table::render(&report(), true);
+    assert!(colored.contains("\x1b[32mPASS\x1b[0m"));
+    assert!(colored.contains("\x1b[31mFAIL\x1b[0m"));
+    assert!(colored.contains("\x1b[33mSKIP\x1b[0m"));
+    let stripped = colored
+        .replace("\x1b[31m", "")
+        .replace("\x1b[32m", "")
+        .replace("\x1b[33m", "")
+        .replace("\x1b[0m", "");
+    assert_eq!(stripped, table::render(&report(), false));
+}
+
+#[test]
+fn junit() {
+    insta::assert_snapshot!("junit", junit::render(&report()));
+}
+
+#[test]
+fn markdown() {
+    insta::assert_snapshot!("markdown", markdown::render(&report()));
+}
+
+#[test]
+fn renderings_are_stable() {
+    let r = report();
+    assert_eq!(table::render(&r, false), table::render(&r.clone(), false));
+    assert_eq!(junit::render(&r), junit::render(&r.clone()));
+    assert_eq!(markdown::render(&r), markdown::render(&r.clone()));
+}
+
+/// A checkpoint that would not load fails every row for one reason: said once, not per row.
+#[test]
+fn checkpoint_error_is_said_once() {
+    let mut r = report();
+    let broken = &mut r.checkpoints[1];
+    broken.status = CheckpointStatus::Error;
+    broken.reason = Some("config.json: field `head_dim`: expected an integer\nat line 12".into());
+    for row in r
+        .rows
+        .iter_mut()
+        .filter(|row| row.checkpoint == "qwen3-0.6b")
+    {
+        row.verdict = Verdict::Error;
+        row.pass = false;
+        row.failure = broken.reason.clone();
+    }
+    r.summary = Summary::of(&r.rows);
+    let t = table::render(&r, false);
+    assert_eq!(t.matches("field `head_dim`").count(), 1, "{t}");
+    assert!(
+        t.contains("FAIL qwen3-0.6b: checkpoint error, 2 rows not run\n"),
+        "{t}"
+    );
+    assert!(!t.contains("FAIL qwen3-0.6b/"), "{t}");
+    let md = markdown::render(&r);
+    assert_eq!(md.matches("field `head_dim`").count(), 1, "{md}");
+    let xml = junit::render(&r);
+    assert_eq!(
+        xml.matches("<error message=\"config.json").count(),
+        2,
+        "{xml}"
+    );
+}
+
+#[test]
+fn nan_and_missing_noise_floor() {
+    let mut r = report();
+    r.rows[4].max_rel_rms = None;
+    r.rows[4].nan = true;
+    r.rows[6].noise_floor_rel_rms = None;
+    let t = table::render(&r, false);
+    assert!(
+        t.contains("rel RMS     NaN (a poisoned or freed row was read)"),
+        "{t}"
+    );
+    assert!(t.contains("max 3.000e-2, no noise floor"), "{t}");
+}
+
+#[test]
+fn xml_escaping() {
+    assert_eq!(
+        junit::escape("<a href=\"x\">&'b'</a>"),
+        "&lt;a href=&quot;x&quot;&gt;&amp;&apos;b&apos;&lt;/a&gt;"
+    );
+    // Tabs and newlines survive attribute normalisation; what XML 1.0 cannot carry is shown.
+    assert_eq!(junit::escape("a\tb\nc\r"), "a&#9;b&#10;c&#13;");
+    assert_eq!(
+        junit::escape("\u{0}\u{1b}x\u{ffff}"),
+        "\\u{0}\\u{1b}x\\u{ffff}"
+    );
+    assert_eq!(junit::escape("naïve 東京"), "naïve 東京");
+
+    let mut r = report();
+    r.rows[4].failure = Some("bad <tag> & \"quote\" \u{7}".into());
+    let xml = junit::render(&r);
+    assert!(xml.contains("message=\"bad &lt;tag&gt; &amp; &quot;quote&quot; \\u{7}\""));
+    assert!(!xml.chars().any(|c| c.is_control() && c != '\n'));
+}
+
+/// The report split as `--shard 1/2` and `--shard 2/2` would: units alternate between shards,
+/// both shards load the checkpoint (and time it), each reports its own rows.
+fn shards() -> (Report, Report) {
+    let full = report();
+    let mut a = full.clone();
+    let mut b = full.clone();
+    a.shard = Some(Shard { index: 1, count: 2 });
+    b.shard = Some(Shard { index: 2, count: 2 });
+    let in_a = |r: &Row| {
+        matches!(r.scenario.as_str(), "single" | "padded") && r.checkpoint == "qwen3-tiny"
+    };
+    a.rows.retain(|r| in_a(r));
+    b.rows.retain(|r| !in_a(r));
+    a.checkpoints.truncate(1);
+    b.checkpoints[0].phases[2].name = "batch2 paged".into();
+    b.checkpoints[0]
+        .noise_floor
+        .insert("len37".into(), Some(4.0e-6));
+    a.summary = Summary::of(&a.rows);
+    a.summary.seconds = 5.0;
+    b.summary = Summary::of(&b.rows);
+    b.summary.seconds = 7.5;
+    b.summary.snapshot_changes = full.summary.snapshot_changes.clone();
+    (a, b)
+}
+
+#[test]
+fn merge_two_shards() {
+    let (a, b) = shards();
+    let ab = merge(vec![a.clone(), b.clone()]).expect("merge");
+    let ba = merge(vec![b, a]).expect("merge");
+    assert_eq!(ab, ba, "order of the shard files matters");
+
+    let full = report();
+    assert_eq!(ab.shard, None);
+    assert_eq!(ab.rows, full.rows, "rows not in suite order");
+    assert_eq!(ab.summary, full.summary);
+    let names: Vec<&str> = ab.checkpoints.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["qwen3-tiny", "qwen3-0.6b"]);
+    let tiny = &ab.checkpoints[0];
+    let phases: Vec<(&str, f64)> = tiny
+        .phases
+        .iter()
+        .map(|p| (p.name.as_str(), p.seconds))
+        .collect();
+    assert_eq!(
+        phases,
+        [
+            ("load", 0.5),
+            ("reference", 3.0),
+            ("single dense", 0.5),
+            ("batch2 paged", 0.5)
+        ]
+    );
+    assert_eq!(tiny.noise_floor["len37"], Some(4.0e-6));
+    assert_eq!(ab.checkpoints[1].status, CheckpointStatus::Skipped);
+}
+
+#[test]
+fn merge_takes_the_worst_checkpoint_status() {
+    let (a, mut b) = shards();
+    b.checkpoints[0].status = CheckpointStatus::Skipped;
+    b.checkpoints[0].reason = Some("not on this runner".into());
+    let m = merge(vec![a, b]).expect("merge");
+    assert_eq!(m.checkpoints[0].status, CheckpointStatus::Skipped);
+    assert_eq!(
+        m.checkpoints[0].reason.as_deref(),
+        Some("not on this runner")
+    );
+    assert_eq!(
+        m.checkpoints[0].dtype, "float32",
+        "dtype from the shard that ran"
+    );
+}
+
+#[test]
+fn merge_rejects_what_does_not_add_up() {
+    let (a, mut b) = shards();
+    let err = |r: Result<Report, String>| r.expect_err("should not merge");
+
+    b.suite = "llama".into();
+    assert!(err(merge(vec![a.clone(), b.clone()])).contains("different suite"));
+
+    let (_, b) = shards();
+    assert!(err(merge(vec![a.clone()])).contains("missing shard report(s): 2/2"));
+    assert!(err(merge(vec![a.clone(), a.clone(), b.clone()])).contains("given twice"));
+    assert!(err(merge(vec![])).contains("no reports"));
+
+    let mut c = b.clone();
+    c.shard = Some(Shard { index: 2, count: 3 });
+    assert!(err(merge(vec![a.clone(), c])).contains("different splits"));
+
+    // Unsharded reports split by hand must not overlap.
+    let (mut a, mut b) = (a, b);
+    a.shard = None;
+    b.shard = None;
+    b.rows.push(a.rows[0].clone());
+    assert!(err(merge(vec![a, b])).contains("qwen3-tiny/len37/single:plain/dense"));
+}
+
+#[test]
+fn text_diff_of_equal_strings_has_no_markers() {
+    let s = "The capital of France is Paris.\n";
+    assert_eq!(text_diff(s, s), "The capital of France is Paris.\\n");
+    assert_eq!(text_diff("", ""), "");
+}
+
+#[test]
+fn text_diff_marks_one_word() {
+    assert_eq!(
+        text_diff(
+            "The capital is Paris, France",
+            "The capital is Lyon, France"
+        ),
+        "The capital is [-Paris-]{+Lyon+}, France"
+    );
+    assert_eq!(text_diff("a b c", "x y z"), "[-a b c-]{+x y z+}");
+    assert_eq!(text_diff("a\nb", "a b"), "a[-\\n-]{+ +}b");
+    assert_eq!(text_diff("sum", "sum = 1"), "sum{+ = 1+}");
+}
+
+#[test]
+fn text_diff_shortens_long_context() {
+    let head = "word ".repeat(30);
+    let d = text_diff(&format!("{head}one"), &format!("{head}two"));
+    assert!(d.starts_with("...word"), "{d}");
+    assert!(d.ends_with(" [-one-]{+two+}"), "{d}");
+    assert!(d.len() < 80, "{d}");
+}
