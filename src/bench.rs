@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::engine;
 use crate::error::Result;
+use crate::faults::Faults;
 use crate::kv::{Backend, KvCache, KvStats};
 use crate::model::{Model, RowStep};
 use crate::scenario::{Harness, Settings};
@@ -21,9 +22,7 @@ pub fn prompt_ids(len: usize, vocab: usize) -> Vec<u32> {
 
 /// Ragged prompt lengths for a batch: row 0 has `prompt_len`, later rows down to about half.
 pub fn ragged_lengths(prompt_len: usize, batch: usize) -> Vec<usize> {
-    (0..batch)
-        .map(|b| (prompt_len - b * prompt_len / (2 * batch)).max(1))
-        .collect()
+    (0..batch).map(|b| (prompt_len - b * prompt_len / (2 * batch)).max(1)).collect()
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -44,11 +43,7 @@ impl Spread {
         } else {
             (xs[n / 2 - 1] + xs[n / 2]) / 2.0
         };
-        Spread {
-            median,
-            min: xs.first().copied().unwrap_or(0.0),
-            max: xs.last().copied().unwrap_or(0.0),
-        }
+        Spread { median, min: xs.first().copied().unwrap_or(0.0), max: xs.last().copied().unwrap_or(0.0) }
     }
 }
 
@@ -103,11 +98,7 @@ fn once(
     let mut tokens = vec![next[0]];
     let t = Instant::now();
     for _ in 0..decode {
-        let rows: Vec<RowStep> = seqs
-            .iter()
-            .zip(&next)
-            .map(|(&s, &t)| RowStep::new(s, vec![t]))
-            .collect();
+        let rows: Vec<RowStep> = seqs.iter().zip(&next).map(|(&s, &t)| RowStep::new(s, vec![t])).collect();
         let logits = model.forward(kv, &rows)?;
         next = engine::greedy(&logits)?;
         tokens.push(next[0]);
@@ -115,27 +106,12 @@ fn once(
     let decode_secs = t.elapsed().as_secs_f64();
     let total: usize = lengths.iter().sum();
     let stats = kv.stats();
-    Ok((
-        total as f64 / prefill_secs,
-        (lengths.len() * decode) as f64 / decode_secs,
-        ttft * 1e3,
-        stats,
-        tokens,
-    ))
+    Ok((total as f64 / prefill_secs, (lengths.len() * decode) as f64 / decode_secs, ttft * 1e3, stats, tokens))
 }
 
-pub fn bench(
-    model: &Model,
-    backends: &[Backend],
-    batches: &[usize],
-    o: BenchOptions,
-) -> Result<Vec<BenchRow>> {
-    let settings = Settings {
-        block_size: o.block_size,
-        poison: false,
-        ..Settings::default()
-    };
-    let h = Harness::new(model, settings, model.faults);
+pub fn bench(model: &Model, backends: &[Backend], batches: &[usize], o: BenchOptions) -> Result<Vec<BenchRow>> {
+    let settings = Settings { block_size: o.block_size, poison: false, ..Settings::default() };
+    let h = Harness::new(model, settings, Faults::NONE);
     let mut rows = Vec::new();
     for &batch in batches {
         let lengths = ragged_lengths(o.prompt_len, batch);
@@ -145,8 +121,7 @@ pub fn bench(
             let (mut p, mut d, mut t) = (Vec::new(), Vec::new(), Vec::new());
             let mut last = None;
             for _ in 0..o.reps.max(1) {
-                let (pt, dt, ttft, stats, tokens) =
-                    once(model, h.kv(backend)?.as_mut(), &lengths, o.decode)?;
+                let (pt, dt, ttft, stats, tokens) = once(model, h.kv(backend)?.as_mut(), &lengths, o.decode)?;
                 p.push(pt);
                 d.push(dt);
                 t.push(ttft);
@@ -216,11 +191,7 @@ pub fn render(rows: &[BenchRow]) -> String {
                 p.decode_tps.median / d.decode_tps.median,
                 p.prefill_tps.median / d.prefill_tps.median,
                 p.kv.bytes_in_use as f64 / d.kv.bytes_in_use.max(1) as f64,
-                if p.tokens == d.tokens {
-                    "identical"
-                } else {
-                    "DIFFER"
-                }
+                if p.tokens == d.tokens { "identical" } else { "DIFFER" }
             );
         }
     }

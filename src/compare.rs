@@ -117,18 +117,9 @@ pub fn step_metrics(reference: &[Array], path: &[Array]) -> Result<Vec<StepMetri
     let max_abs = d.abs()?.max_axis(-1, false)?;
     let lr = log_softmax(&r)?;
     let la = log_softmax(&a)?;
-    let kl = lr
-        .exp()?
-        .multiply(&lr.subtract(&la)?)?
-        .sum_axis(-1, false)?;
+    let kl = lr.exp()?.multiply(&lr.subtract(&la)?)?.sum_axis(-1, false)?;
     let (rel, max_abs, kl) = (host_f32(&rel)?, host_f32(&max_abs)?, host_f32(&kl)?);
-    Ok((0..s)
-        .map(|i| StepMetrics {
-            rel_rms: rel[i],
-            max_abs: max_abs[i],
-            kl: kl[i].max(0.0),
-        })
-        .collect())
+    Ok((0..s).map(|i| StepMetrics { rel_rms: rel[i], max_abs: max_abs[i], kl: kl[i].max(0.0) }).collect())
 }
 
 fn log_softmax(x: &Array) -> Result<Array> {
@@ -162,23 +153,14 @@ fn logit(row: &Array, token: u32) -> Result<f32> {
 
 /// Compare one path with its reference. `tolerance` is the largest relative RMS a near-tie
 /// may have at its divergence step: a flip caused by a large shift is a divergence.
-pub fn compare(
-    reference: &Trace,
-    path: &PathTrace,
-    dtype: DtypeName,
-    tolerance: f32,
-) -> Result<PathComparison> {
+pub fn compare(reference: &Trace, path: &PathTrace, dtype: DtypeName, tolerance: f32) -> Result<PathComparison> {
     if path.tokens.len() > reference.tokens.len() {
         return Err(Error::Invalid("path ran longer than its reference".into()));
     }
     let steps = step_metrics(&reference.logits, &path.logits)?;
     let max_rel_rms = steps.iter().map(|m| m.rel_rms).fold(0.0, nan_max);
     let max_kl = steps.iter().map(|m| m.kl).fold(0.0, nan_max);
-    let first = path
-        .tokens
-        .iter()
-        .zip(&reference.tokens)
-        .position(|(a, r)| a != r);
+    let first = path.tokens.iter().zip(&reference.tokens).position(|(a, r)| a != r);
     let mut verdict = Verdict::Identical;
     let first_divergence = match first {
         None => None,
@@ -191,14 +173,9 @@ pub fn compare(
             let m = steps[step];
             let magnitude = reference_top.first().map(|t| t.1.abs()).unwrap_or(0.0);
             let tie_threshold = m.max_abs.max(magnitude * epsilon(dtype));
-            let mutual_top_k =
-                reference_top.iter().any(|t| t.0 == a_tok) && top.iter().any(|t| t.0 == r_tok);
+            let mutual_top_k = reference_top.iter().any(|t| t.0 == a_tok) && top.iter().any(|t| t.0 == r_tok);
             let near_tie = reference_gap <= tie_threshold && mutual_top_k && m.rel_rms <= tolerance;
-            verdict = if near_tie {
-                Verdict::NearTie
-            } else {
-                Verdict::Diverged
-            };
+            verdict = if near_tie { Verdict::NearTie } else { Verdict::Diverged };
             Some(Divergence {
                 step,
                 reference_token: r_tok,
@@ -230,9 +207,5 @@ pub fn compare(
 
 /// `max` that lets NaN win, so a poisoned step is never hidden by a later clean one.
 pub fn nan_max(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() {
-        f32::NAN
-    } else {
-        a.max(b)
-    }
+    if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) }
 }

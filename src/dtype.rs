@@ -74,9 +74,7 @@ impl std::str::FromStr for DtypeSetting {
             "float16" | "f16" => Ok(DtypeSetting::Float16),
             "bfloat16" | "bf16" => Ok(DtypeSetting::Bfloat16),
             "native" => Ok(DtypeSetting::Native),
-            other => Err(format!(
-                "unknown dtype `{other}`; expected float32, float16, bfloat16 or native"
-            )),
+            other => Err(format!("unknown dtype `{other}`; expected float32, float16, bfloat16 or native")),
         }
     }
 }

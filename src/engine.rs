@@ -37,12 +37,7 @@ pub fn rows(logits: &Array) -> Result<Vec<Array>> {
 }
 
 /// Prefill `prompt` into a fresh sequence and decode `max_tokens` greedy tokens.
-pub fn generate(
-    model: &Model,
-    kv: &mut dyn KvCache,
-    prompt: &[u32],
-    max_tokens: usize,
-) -> Result<(SeqId, Trace)> {
+pub fn generate(model: &Model, kv: &mut dyn KvCache, prompt: &[u32], max_tokens: usize) -> Result<(SeqId, Trace)> {
     let seq = kv.create(0)?;
     let mut trace = Trace::default();
     let mut logits = model.forward(kv, &[RowStep::new(seq, prompt.to_vec())])?;

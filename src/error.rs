@@ -8,21 +8,13 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("checkpoint `{reference}` not found; looked in:\n{}\n{hint}", searched_list(.searched))]
-    CheckpointNotFound {
-        reference: String,
-        searched: Vec<PathBuf>,
-        hint: String,
-    },
+    CheckpointNotFound { reference: String, searched: Vec<PathBuf>, hint: String },
 
     #[error("{file}: {message}")]
     Config { file: PathBuf, message: String },
 
     #[error("{file}: tensor `{tensor}`: {message}")]
-    Tensor {
-        file: PathBuf,
-        tensor: String,
-        message: String,
-    },
+    Tensor { file: PathBuf, tensor: String, message: String },
 
     #[error("{file}: {message}")]
     Weights { file: PathBuf, message: String },
@@ -40,21 +32,12 @@ pub enum Error {
     #[error(
         "a sequence of {held} tokens plus {adding} new ones exceeds the context of {context} (max_position_embeddings in config.json)"
     )]
-    ContextOverflow {
-        held: usize,
-        adding: usize,
-        context: usize,
-    },
+    ContextOverflow { held: usize, adding: usize, context: usize },
 
     #[error(
         "KV pool exhausted: sequence needs {needed} more block(s) of {block_size} rows, {free} free of a budget of {budget}"
     )]
-    PoolExhausted {
-        needed: usize,
-        free: usize,
-        budget: usize,
-        block_size: usize,
-    },
+    PoolExhausted { needed: usize, free: usize, budget: usize, block_size: usize },
 
     #[error("KV cache: {0}")]
     Kv(String),
@@ -67,10 +50,7 @@ pub enum Error {
 }
 
 fn searched_list(p: &[PathBuf]) -> String {
-    p.iter()
-        .map(|p| format!("  - {}", p.display()))
-        .collect::<Vec<_>>()
-        .join("\n")
+    p.iter().map(|p| format!("  - {}", p.display())).collect::<Vec<_>>().join("\n")
 }
 
 impl From<mlx_rs::error::Exception> for Error {
@@ -81,15 +61,9 @@ impl From<mlx_rs::error::Exception> for Error {
 
 impl Error {
     pub fn config(file: impl Into<PathBuf>, message: impl Into<String>) -> Self {
-        Error::Config {
-            file: file.into(),
-            message: message.into(),
-        }
+        Error::Config { file: file.into(), message: message.into() }
     }
     pub fn io(file: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            file: file.into(),
-            source,
-        }
+        Error::Io { file: file.into(), source }
     }
 }

@@ -72,6 +72,10 @@ impl Faults {
         Faults(f.bit())
     }
 
+    pub fn with(self, f: Fault) -> Self {
+        Faults(self.0 | f.bit())
+    }
+
     #[inline]
     pub fn has(self, f: Fault) -> bool {
         self.0 & f.bit() != 0

@@ -83,18 +83,11 @@ pub const IM_END: u32 = 258;
 /// `<spec dir>/.generated/<stem>-<hash>/`.
 pub fn materialize(spec_path: &Path) -> Result<PathBuf> {
     let text = std::fs::read_to_string(spec_path).map_err(|e| Error::io(spec_path, e))?;
-    let spec: FixtureSpec =
-        toml::from_str(&text).map_err(|e| Error::config(spec_path, e.to_string()))?;
+    let spec: FixtureSpec = toml::from_str(&text).map_err(|e| Error::config(spec_path, e.to_string()))?;
     validate(&spec, spec_path)?;
-    let stem = spec_path
-        .file_stem()
-        .and_then(|s| s.to_str())
-        .unwrap_or("fixture");
+    let stem = spec_path.file_stem().and_then(|s| s.to_str()).unwrap_or("fixture");
     let hash = fnv1a(format!("{GENERATOR_VERSION}\n{text}").as_bytes());
-    let base = spec_path
-        .parent()
-        .unwrap_or(Path::new("."))
-        .join(".generated");
+    let base = spec_path.parent().unwrap_or(Path::new(".")).join(".generated");
     let dir = base.join(format!("{stem}-{hash:016x}"));
     if dir.join("config.json").is_file() {
         return Ok(dir);
@@ -113,42 +106,30 @@ pub fn materialize(spec_path: &Path) -> Result<PathBuf> {
 fn validate(s: &FixtureSpec, file: &Path) -> Result<()> {
     let err = |m: String| Err(Error::config(file, m));
     if !["llama", "qwen3"].contains(&s.model_type.as_str()) {
-        return err(format!(
-            "field `model_type`: unsupported `{}`",
-            s.model_type
-        ));
+        return err(format!("field `model_type`: unsupported `{}`", s.model_type));
     }
     if s.vocab_size < 259 {
-        return err(
-            "field `vocab_size`: must be at least 259 (256 bytes + 3 special tokens)".into(),
-        );
+        return err("field `vocab_size`: must be at least 259 (256 bytes + 3 special tokens)".into());
     }
     if s.num_attention_heads % s.num_key_value_heads != 0 {
         return err("field `num_key_value_heads`: must divide num_attention_heads".into());
     }
     if !["float32", "bfloat16"].contains(&s.dtype.as_str()) {
-        return err(format!(
-            "field `dtype`: `{}`; expected float32 or bfloat16",
-            s.dtype
-        ));
+        return err(format!("field `dtype`: `{}`; expected float32 or bfloat16", s.dtype));
     }
     if let Some(q) = s.quantization {
-        let dims = [
-            s.hidden_size,
-            s.intermediate_size,
-            s.num_attention_heads * s.head_dim,
-        ];
+        let dims = [s.hidden_size, s.intermediate_size, s.num_attention_heads * s.head_dim];
         if dims.iter().any(|d| d % q.group_size != 0) || 32 % q.bits != 0 {
-            return err("field `quantization`: group_size must divide every input dimension and bits must divide 32".into());
+            return err(
+                "field `quantization`: group_size must divide every input dimension and bits must divide 32".into()
+            );
         }
     }
     Ok(())
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x100000001b3)
-    })
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
 }
 
 /// splitmix64: tiny, seedable, identical everywhere.
@@ -165,9 +146,7 @@ impl Rng {
 
     /// Approximately N(0, 1): the sum of four uniforms, centred and scaled (Irwin-Hall).
     fn normal(&mut self) -> f32 {
-        let sum: f64 = (0..4)
-            .map(|_| (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
-            .sum();
+        let sum: f64 = (0..4).map(|_| (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64).sum();
         ((sum - 2.0) * 3f64.sqrt()) as f32
     }
 
@@ -190,25 +169,12 @@ struct Writer<'a> {
 impl Writer<'_> {
     fn float(&mut self, name: &str, shape: &[usize], data: &[f32]) {
         let (dtype, bytes) = if self.spec.dtype == "bfloat16" {
-            let b = data
-                .iter()
-                .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
-                .collect();
+            let b = data.iter().flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes()).collect();
             (safetensors::Dtype::BF16, b)
         } else {
-            (
-                safetensors::Dtype::F32,
-                data.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            )
+            (safetensors::Dtype::F32, data.iter().flat_map(|x| x.to_le_bytes()).collect())
         };
-        self.tensors.insert(
-            name.to_string(),
-            Tensor {
-                dtype,
-                shape: shape.to_vec(),
-                bytes,
-            },
-        );
+        self.tensors.insert(name.to_string(), Tensor { dtype, shape: shape.to_vec(), bytes });
     }
 
     /// A `[rows, cols]` matrix, quantized when the spec says so (MLX affine layout: values
@@ -246,37 +212,22 @@ impl Writer<'_> {
         let bytes = packed.iter().flat_map(|x| x.to_le_bytes()).collect();
         self.tensors.insert(
             format!("{path}.weight"),
-            Tensor {
-                dtype: safetensors::Dtype::U32,
-                shape: vec![rows, cols / per_word],
-                bytes,
-            },
+            Tensor { dtype: safetensors::Dtype::U32, shape: vec![rows, cols / per_word], bytes },
         );
         self.float(&format!("{path}.scales"), &[rows, groups], &scales);
         self.float(&format!("{path}.biases"), &[rows, groups], &biases);
     }
 
     fn round(&self, x: f32) -> f32 {
-        if self.spec.dtype == "bfloat16" {
-            half::bf16::from_f32(x).to_f32()
-        } else {
-            x
-        }
+        if self.spec.dtype == "bfloat16" { half::bf16::from_f32(x).to_f32() } else { x }
     }
 }
 
 fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
     let mut rng = Rng(spec.seed);
-    let mut w = Writer {
-        spec,
-        tensors: BTreeMap::new(),
-    };
+    let mut w = Writer { spec, tensors: BTreeMap::new() };
     let (h, v, i) = (spec.hidden_size, spec.vocab_size, spec.intermediate_size);
-    let (nh, nkv, d) = (
-        spec.num_attention_heads,
-        spec.num_key_value_heads,
-        spec.head_dim,
-    );
+    let (nh, nkv, d) = (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim);
     let inv = |n: usize| 1.0 / (n as f64).sqrt();
 
     // A tied embedding is also the output projection: a large one makes the model echo its
@@ -285,9 +236,7 @@ fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
     let embed_std = if spec.tie_word_embeddings { 0.1 } else { 1.0 };
     let embed = rng.tensor(v * h, embed_std);
     w.matrix("model.embed_tokens", v, h, &embed);
-    let norm = |rng: &mut Rng, n: usize| -> Vec<f32> {
-        (0..n).map(|_| 1.0 + 0.1 * rng.normal()).collect()
-    };
+    let norm = |rng: &mut Rng, n: usize| -> Vec<f32> { (0..n).map(|_| 1.0 + 0.1 * rng.normal()).collect() };
     for l in 0..spec.num_hidden_layers {
         let p = format!("model.layers.{l}");
         let x = norm(&mut rng, h);
@@ -312,24 +261,13 @@ fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
             let x = norm(&mut rng, d);
             w.float(&format!("{p}.self_attn.k_norm.weight"), &[d], &x);
         }
-        for (name, rows, cols, gain) in [
-            ("gate_proj", i, h, 1.0),
-            ("up_proj", i, h, 1.0),
-            ("down_proj", h, i, 3.0),
-        ] {
+        for (name, rows, cols, gain) in [("gate_proj", i, h, 1.0), ("up_proj", i, h, 1.0), ("down_proj", h, i, 3.0)] {
             let x = rng.tensor(rows * cols, gain * inv(cols));
             w.matrix(&format!("{p}.mlp.{name}"), rows, cols, &x);
         }
     }
-    let gain = if spec.tie_word_embeddings {
-        spec.logit_scale / (embed_std * (h as f64).sqrt())
-    } else {
-        1.0
-    };
-    let x: Vec<f32> = norm(&mut rng, h)
-        .into_iter()
-        .map(|x| x * gain as f32)
-        .collect();
+    let gain = if spec.tie_word_embeddings { spec.logit_scale / (embed_std * (h as f64).sqrt()) } else { 1.0 };
+    let x: Vec<f32> = norm(&mut rng, h).into_iter().map(|x| x * gain as f32).collect();
     w.float("model.norm.weight", &[h], &x);
     if !spec.tie_word_embeddings {
         let x = rng.tensor(v * h, spec.logit_scale * inv(h));
@@ -370,19 +308,12 @@ fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
         "torch_dtype": spec.dtype,
     });
     if let Some(rs) = &spec.rope_scaling {
-        config["rope_scaling"] =
-            serde_json::to_value(rs).map_err(|e| Error::Invalid(e.to_string()))?;
+        config["rope_scaling"] = serde_json::to_value(rs).map_err(|e| Error::Invalid(e.to_string()))?;
     }
     if let Some(q) = spec.quantization {
-        config["quantization"] =
-            json!({"group_size": q.group_size, "bits": q.bits, "mode": "affine"});
+        config["quantization"] = json!({"group_size": q.group_size, "bits": q.bits, "mode": "affine"});
     }
-    write(
-        &dir.join("config.json"),
-        serde_json::to_string_pretty(&config)
-            .unwrap_or_default()
-            .as_bytes(),
-    )?;
+    write(&dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap_or_default().as_bytes())?;
     write(&dir.join("tokenizer.json"), tokenizer_json().as_bytes())?;
     write(
         &dir.join("tokenizer_config.json"),
@@ -405,8 +336,7 @@ const CHAT_TEMPLATE: &str = "{% for message in messages %}<|im_start|>{{ message
 /// GPT-2's reversible byte-to-character map used by byte-level BPE: printable bytes map to
 /// themselves, the rest to code points from 256 up.
 fn byte_chars() -> Vec<char> {
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
     let mut extra = 0;
     (0..256u32)
         .map(|b| {
@@ -424,11 +354,8 @@ fn byte_chars() -> Vec<char> {
 /// Prompt lengths in tokens are then exactly their byte lengths, which lets suites hit block
 /// and tile boundaries with plain text.
 fn tokenizer_json() -> String {
-    let vocab: serde_json::Map<String, serde_json::Value> = byte_chars()
-        .into_iter()
-        .enumerate()
-        .map(|(i, c)| (c.to_string(), json!(i)))
-        .collect();
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        byte_chars().into_iter().enumerate().map(|(i, c)| (c.to_string(), json!(i))).collect();
     let special = |id: u32, content: &str| json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
     json!({
         "version": "1.0",

@@ -12,8 +12,7 @@ use crate::faults::Faults;
 use crate::kv::Backend;
 use crate::model::Model;
 use crate::report::{
-    CheckpointReport, CheckpointStatus, DivergenceReport, Phase, Report, Row, SCHEMA_VERSION,
-    Shard, Summary, finite,
+    CheckpointReport, CheckpointStatus, DivergenceReport, Phase, Report, Row, SCHEMA_VERSION, Shard, Summary, finite,
 };
 use crate::scenario::{self, CaseOutput, Harness, Live, Prompt, Scenario};
 use crate::suite::{CheckpointSpec, PromptSource, PromptSpec, Suite};
@@ -73,12 +72,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> R
         parity_version: env!("CARGO_PKG_VERSION").to_string(),
         environment: crate::runtime::environment(),
         shard: opts.shard,
-        faults: opts
-            .faults
-            .list()
-            .iter()
-            .map(|f| f.name().to_string())
-            .collect(),
+        faults: opts.faults.list().iter().map(|f| f.name().to_string()).collect(),
         checkpoints,
         rows,
         summary,
@@ -91,11 +85,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> R
 fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usize) -> Vec<Unit> {
     let mut units = Vec::new();
     for &scenario in &spec.scenarios {
-        if opts
-            .scenarios
-            .as_ref()
-            .is_some_and(|s| !s.contains(&scenario))
-        {
+        if opts.scenarios.as_ref().is_some_and(|s| !s.contains(&scenario)) {
             continue;
         }
         let mine = opts.shard.is_none_or(|s| *index % s.count == s.index - 1);
@@ -104,11 +94,7 @@ fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usi
             continue;
         }
         for &backend in &spec.backends {
-            if opts
-                .backends
-                .as_ref()
-                .is_some_and(|b| !b.contains(&backend))
-            {
+            if opts.backends.as_ref().is_some_and(|b| !b.contains(&backend)) {
                 continue;
             }
             let prompts: Vec<usize> = suite
@@ -117,23 +103,13 @@ fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usi
                 .enumerate()
                 .filter(|(_, p)| spec.prompts.contains(&p.name))
                 .filter(|(_, p)| {
-                    let id = format!(
-                        "{}/{}/{}/{}",
-                        spec.name,
-                        p.name,
-                        scenario.name(),
-                        backend.name()
-                    );
+                    let id = format!("{}/{}/{}/{}", spec.name, p.name, scenario.name(), backend.name());
                     opts.filter.as_ref().is_none_or(|f| id.contains(f.as_str()))
                 })
                 .map(|(i, _)| i)
                 .collect();
             if !prompts.is_empty() {
-                units.push(Unit {
-                    scenario,
-                    backend,
-                    prompts,
-                });
+                units.push(Unit { scenario, backend, prompts });
             }
         }
     }
@@ -158,28 +134,14 @@ fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> Checkpo
 }
 
 /// Rows for units that could not run at all (checkpoint absent or broken).
-fn blanket_rows(
-    suite: &Suite,
-    spec: &CheckpointSpec,
-    units: &[Unit],
-    verdict: Verdict,
-    why: &str,
-) -> Vec<Row> {
+fn blanket_rows(suite: &Suite, spec: &CheckpointSpec, units: &[Unit], verdict: Verdict, why: &str) -> Vec<Row> {
     let mut rows = Vec::new();
     for u in units {
         for &p in &u.prompts {
-            let mut row = empty_row(
-                spec,
-                &suite.prompts[p].name,
-                u.scenario,
-                "*",
-                u.backend,
-                verdict,
-            );
+            let mut row = empty_row(spec, &suite.prompts[p].name, u.scenario, "*", u.backend, verdict);
             row.pass = verdict == Verdict::Skipped;
             row.failure = (verdict != Verdict::Skipped).then(|| why.to_string());
-            row.notes
-                .push(why.lines().next().unwrap_or(why).to_string());
+            row.notes.push(why.lines().next().unwrap_or(why).to_string());
             rows.push(row);
         }
     }
@@ -245,63 +207,45 @@ fn run_checkpoint(
 
     let t = Instant::now();
     let loaded = load(&dir, spec);
-    report.phases.push(Phase {
-        name: "load".into(),
-        seconds: t.elapsed().as_secs_f64(),
-    });
-    let (mut model, tokenizer) = match loaded {
+    report.phases.push(Phase { name: "load".into(), seconds: t.elapsed().as_secs_f64() });
+    let (model, tokenizer) = match loaded {
         Ok(x) => x,
         Err(e) => {
             let why = format!("{e:#}");
             report.status = CheckpointStatus::Error;
             report.reason = Some(why.clone());
-            return (
-                report,
-                blanket_rows(suite, spec, units, Verdict::Error, &why),
-            );
+            return (report, blanket_rows(suite, spec, units, Verdict::Error, &why));
         }
     };
     report.dtype = model.dtype.name().to_string();
-    model.faults = opts.faults;
 
     // Prompts, encoded once. A prompt that cannot be encoded fails its own rows only.
     let mut prompts: BTreeMap<usize, std::result::Result<Prompt, String>> = BTreeMap::new();
     for u in units {
         for &p in &u.prompts {
-            prompts.entry(p).or_insert_with(|| {
-                encode(&suite.prompts[p], &tokenizer, &model).map_err(|e| e.to_string())
-            });
+            prompts
+                .entry(p)
+                .or_insert_with(|| encode(&suite.prompts[p], &tokenizer, &model).map_err(|e| e.to_string()));
         }
     }
 
     let mut harness = Harness::new(&model, spec.settings.clone(), opts.faults);
     let t = Instant::now();
-    let good: Vec<Prompt> = prompts
-        .values()
-        .filter_map(|p| p.as_ref().ok().cloned())
-        .collect();
+    let good: Vec<Prompt> = prompts.values().filter_map(|p| p.as_ref().ok().cloned()).collect();
     let mut floors = BTreeMap::new();
     for p in &good {
-        let floor = harness
-            .reference(&p.ids)
-            .and_then(|_| noise_floor(&mut harness, p, &good));
+        let floor = harness.fault_free(|h| h.reference(&p.ids).and_then(|_| noise_floor(h, p, &good)));
         let floor = match floor {
             Ok(f) => f,
             Err(e) => {
-                prompts.insert(
-                    index_of(suite, &p.name),
-                    Err(format!("reference run failed: {e}")),
-                );
+                prompts.insert(index_of(suite, &p.name), Err(format!("reference run failed: {e}")));
                 None
             }
         };
         floors.insert(p.name.clone(), floor);
         report.noise_floor.insert(p.name.clone(), floor);
     }
-    report.phases.push(Phase {
-        name: "reference".into(),
-        seconds: t.elapsed().as_secs_f64(),
-    });
+    report.phases.push(Phase { name: "reference".into(), seconds: t.elapsed().as_secs_f64() });
 
     let mut rows = Vec::new();
     for u in units {
@@ -313,14 +257,7 @@ fn run_checkpoint(
             match &prompts[&p] {
                 Ok(prompt) => ok_prompts.push(prompt.clone()),
                 Err(why) => {
-                    let mut row = empty_row(
-                        spec,
-                        &suite.prompts[p].name,
-                        u.scenario,
-                        "*",
-                        u.backend,
-                        Verdict::Error,
-                    );
+                    let mut row = empty_row(spec, &suite.prompts[p].name, u.scenario, "*", u.backend, Verdict::Error);
                     row.failure = Some(why.clone());
                     rows.push(row);
                 }
@@ -335,34 +272,22 @@ fn run_checkpoint(
                 }
                 Err(e) => {
                     for p in &ok_prompts {
-                        let mut row =
-                            empty_row(spec, &p.name, u.scenario, "*", u.backend, Verdict::Error);
-                        row.failure = Some(format!(
-                            "{} on {}: {e}",
-                            u.scenario.name(),
-                            u.backend.name()
-                        ));
+                        let mut row = empty_row(spec, &p.name, u.scenario, "*", u.backend, Verdict::Error);
+                        row.failure = Some(format!("{} on {}: {e}", u.scenario.name(), u.backend.name()));
                         rows.push(row);
                     }
                 }
             }
         }
         let name = format!("{} {}", u.scenario.name(), u.backend.name());
-        report.phases.push(Phase {
-            name,
-            seconds: t.elapsed().as_secs_f64(),
-        });
+        report.phases.push(Phase { name, seconds: t.elapsed().as_secs_f64() });
         progress.unit_done();
     }
     (report, rows)
 }
 
 fn index_of(suite: &Suite, name: &str) -> usize {
-    suite
-        .prompts
-        .iter()
-        .position(|p| p.name == name)
-        .unwrap_or(usize::MAX)
+    suite.prompts.iter().position(|p| p.name == name).unwrap_or(usize::MAX)
 }
 
 fn load(dir: &std::path::Path, spec: &CheckpointSpec) -> anyhow::Result<(Model, Tokenizer)> {
@@ -383,10 +308,7 @@ fn encode(p: &PromptSpec, tok: &Tokenizer, model: &Model) -> Result<Prompt> {
         PromptSource::Ids(ids) => ids.clone(),
     };
     if ids.is_empty() {
-        return Err(Error::Invalid(format!(
-            "prompt `{}` encodes to no tokens",
-            p.name
-        )));
+        return Err(Error::Invalid(format!("prompt `{}` encodes to no tokens", p.name)));
     }
     if let Some(n) = p.length {
         ids = ids.iter().copied().cycle().take(n).collect();
@@ -398,10 +320,7 @@ fn encode(p: &PromptSpec, tok: &Tokenizer, model: &Model) -> Result<Prompt> {
             p.name
         )));
     }
-    Ok(Prompt {
-        name: p.name.clone(),
-        ids,
-    })
+    Ok(Prompt { name: p.name.clone(), ids })
 }
 
 /// The reference re-run in a different batch composition (as row 1 of a dense batch of two,
@@ -411,17 +330,11 @@ fn noise_floor(h: &mut Harness, p: &Prompt, all: &[Prompt]) -> Result<Option<f32
         .iter()
         .find(|q| q.ids != p.ids)
         .cloned()
-        .unwrap_or_else(|| Prompt {
-            name: "reversed".into(),
-            ids: p.ids.iter().rev().copied().collect(),
-        });
+        .unwrap_or_else(|| Prompt { name: "reversed".into(), ids: p.ids.iter().rev().copied().collect() });
     let (reference, partner_ref) = (h.reference(&p.ids)?, h.reference(&partner.ids)?);
     let steps = h.settings.max_tokens;
     let mut kv = h.kv(Backend::Dense)?;
-    let mut lives = [
-        Live::new(kv.create(0)?, &partner_ref, steps),
-        Live::new(kv.create(0)?, &reference, steps),
-    ];
+    let mut lives = [Live::new(kv.create(0)?, &partner_ref, steps), Live::new(kv.create(0)?, &reference, steps)];
     scenario::prefill(h.model, kv.as_mut(), &mut lives[0], &partner.ids)?;
     scenario::prefill(h.model, kv.as_mut(), &mut lives[1], &p.ids)?;
     scenario::decode_all(h.model, kv.as_mut(), &mut lives)?;
@@ -438,21 +351,8 @@ fn case_row(
     tok: &Tokenizer,
     floors: &BTreeMap<String, Option<f32>>,
 ) -> Row {
-    let base_prompt = c
-        .prompt
-        .name
-        .split('/')
-        .next()
-        .unwrap_or(&c.prompt.name)
-        .to_string();
-    let mut row = empty_row(
-        spec,
-        &c.prompt.name,
-        u.scenario,
-        &c.case,
-        u.backend,
-        Verdict::Identical,
-    );
+    let base_prompt = c.prompt.name.split('/').next().unwrap_or(&c.prompt.name).to_string();
+    let mut row = empty_row(spec, &c.prompt.name, u.scenario, &c.case, u.backend, Verdict::Identical);
     row.notes = c.notes.clone();
     row.paths = c.paths.len();
     row.noise_floor_rel_rms = floors.get(&base_prompt).copied().flatten();
@@ -480,10 +380,7 @@ fn case_row(
         .iter()
         .enumerate()
         .max_by_key(|(_, cmp)| {
-            (
-                cmp.verdict.rank(),
-                std::cmp::Reverse(cmp.first_divergence.as_ref().map_or(usize::MAX, |d| d.step)),
-            )
+            (cmp.verdict.rank(), std::cmp::Reverse(cmp.first_divergence.as_ref().map_or(usize::MAX, |d| d.step)))
         })
         .map(|(i, _)| i);
     let Some(w) = worst else {
@@ -546,12 +443,7 @@ fn judge(row: &mut Row, spec: &CheckpointSpec) {
     let mut why = Vec::new();
     if !spec.tolerance.allow.contains(&row.verdict) {
         why.push(match &row.first_divergence {
-            Some(d) => format!(
-                "{} at step {} (position {})",
-                row.verdict.name(),
-                d.step,
-                d.position
-            ),
+            Some(d) => format!("{} at step {} (position {})", row.verdict.name(), d.step, d.position),
             None => row.verdict.name().to_string(),
         });
     }

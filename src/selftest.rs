@@ -46,20 +46,14 @@ impl SelftestReport {
 }
 
 pub fn row_id(r: &Row) -> String {
-    format!(
-        "{}/{}/{}:{}/{}",
-        r.checkpoint, r.prompt, r.scenario, r.case, r.backend
-    )
+    format!("{}/{}/{}:{}/{}", r.checkpoint, r.prompt, r.scenario, r.case, r.backend)
 }
 
 /// One line locating a row's failure: the divergence in layout terms, else the failure text.
 pub fn location(r: &Row) -> String {
     match &r.first_divergence {
         Some(d) => {
-            let mut s = format!(
-                "step {} pos {} (mod tile {})",
-                d.step, d.position, d.position_mod_tile
-            );
+            let mut s = format!("step {} pos {} (mod tile {})", d.step, d.position, d.position_mod_tile);
             if let (Some(b), Some(o)) = (d.block_index, d.offset_in_block) {
                 s += &format!(" block {b}+{o}");
             }
@@ -74,10 +68,7 @@ pub fn location(r: &Row) -> String {
             }
             s
         }
-        None => r
-            .failure
-            .clone()
-            .unwrap_or_else(|| r.verdict.name().to_string()),
+        None => r.failure.clone().unwrap_or_else(|| r.verdict.name().to_string()),
     }
 }
 
@@ -103,11 +94,7 @@ fn outcome(fault: Fault, report: &Report) -> FaultOutcome {
             }
         }
     }
-    FaultOutcome {
-        fault: fault.name().to_string(),
-        caught: report.summary.failed > 0,
-        scenarios,
-    }
+    FaultOutcome { fault: fault.name().to_string(), caught: report.summary.failed > 0, scenarios }
 }
 
 /// Run `suite` clean and under each of `faults_to_plant`.
@@ -118,14 +105,7 @@ pub fn selftest(
     progress: &dyn Progress,
 ) -> (SelftestReport, Report) {
     let started = std::time::Instant::now();
-    let clean = run_suite(
-        suite,
-        &RunOptions {
-            faults: Faults::NONE,
-            ..opts.clone()
-        },
-        progress,
-    );
+    let clean = run_suite(suite, &RunOptions { faults: Faults::NONE, ..opts.clone() }, progress);
     let clean_failures: Vec<String> = clean
         .rows
         .iter()
@@ -134,14 +114,7 @@ pub fn selftest(
         .collect();
     let mut outcomes = Vec::new();
     for &f in faults_to_plant {
-        let report = run_suite(
-            suite,
-            &RunOptions {
-                faults: Faults::only(f),
-                ..opts.clone()
-            },
-            progress,
-        );
+        let report = run_suite(suite, &RunOptions { faults: Faults::only(f), ..opts.clone() }, progress);
         outcomes.push(outcome(f, &report));
     }
     let report = SelftestReport {
@@ -162,11 +135,7 @@ pub fn all_faults() -> Vec<Fault> {
 /// The fault x scenario table.
 pub fn render(r: &SelftestReport) -> String {
     let scenarios: Vec<String> = {
-        let mut s: Vec<String> = r
-            .faults
-            .iter()
-            .flat_map(|f| f.scenarios.keys().cloned())
-            .collect();
+        let mut s: Vec<String> = r.faults.iter().flat_map(|f| f.scenarios.keys().cloned()).collect();
         s.sort();
         s.dedup();
         s
@@ -175,11 +144,7 @@ pub fn render(r: &SelftestReport) -> String {
     out += &format!("selftest of suite `{}`\n", r.suite);
     out += &format!(
         "clean run: {}\n",
-        if r.clean_passed {
-            "PASS".to_string()
-        } else {
-            format!("FAIL ({} rows)", r.clean_failures.len())
-        }
+        if r.clean_passed { "PASS".to_string() } else { format!("FAIL ({} rows)", r.clean_failures.len()) }
     );
     for f in &r.clean_failures {
         out += &format!("  {f}\n");
@@ -194,11 +159,7 @@ pub fn render(r: &SelftestReport) -> String {
         out += &format!("{:<24} {:<8}", f.fault, if f.caught { "yes" } else { "NO" });
         for s in &scenarios {
             let cell = f.scenarios.get(s).map(|c| {
-                if c.failed_rows > 0 {
-                    format!("{} {}/{}", short(c.worst), c.failed_rows, c.rows)
-                } else {
-                    "-".into()
-                }
+                if c.failed_rows > 0 { format!("{} {}/{}", short(c.worst), c.failed_rows, c.rows) } else { "-".into() }
             });
             out += &format!(" {:<width$}", cell.unwrap_or_default());
         }
@@ -212,12 +173,7 @@ pub fn render(r: &SelftestReport) -> String {
             }
         }
     }
-    let undetected: Vec<&str> = r
-        .faults
-        .iter()
-        .filter(|f| !f.caught)
-        .map(|f| f.fault.as_str())
-        .collect();
+    let undetected: Vec<&str> = r.faults.iter().filter(|f| !f.caught).map(|f| f.fault.as_str()).collect();
     out += &format!(
         "\n{}: {} of {} faults caught, clean run {} ({:.1}s)\n",
         if r.ok() { "PASS" } else { "FAIL" },

@@ -25,14 +25,7 @@ pub struct SuiteError {
 
 impl std::fmt::Display for SuiteError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{}:{}:{}: {}",
-            self.file.display(),
-            self.line,
-            self.column,
-            self.message
-        )
+        write!(f, "{}:{}:{}: {}", self.file.display(), self.line, self.column, self.message)
     }
 }
 
@@ -89,10 +82,7 @@ pub struct Suite {
 impl Suite {
     /// The directory relative checkpoint paths are resolved against.
     pub fn dir(&self) -> PathBuf {
-        self.file
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_else(|| PathBuf::from("."))
+        self.file.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
     }
 }
 
@@ -180,73 +170,37 @@ struct Ctx<'a> {
 impl Ctx<'_> {
     fn err(&self, span: std::ops::Range<usize>, message: impl Into<String>) -> SuiteError {
         let (line, column) = line_col(self.text, span.start);
-        SuiteError {
-            file: self.file.to_path_buf(),
-            line,
-            column,
-            message: message.into(),
-        }
+        SuiteError { file: self.file.to_path_buf(), line, column, message: message.into() }
     }
 
-    fn positive(
-        &self,
-        key: &str,
-        v: &Option<Spanned<i64>>,
-        allow_zero: bool,
-    ) -> Result<Option<usize>, SuiteError> {
+    fn positive(&self, key: &str, v: &Option<Spanned<i64>>, allow_zero: bool) -> Result<Option<usize>, SuiteError> {
         let Some(v) = v else { return Ok(None) };
         let n = *v.get_ref();
         if n < 0 || (n == 0 && !allow_zero) {
-            let what = if allow_zero {
-                "must not be negative"
-            } else {
-                "must be positive"
-            };
+            let what = if allow_zero { "must not be negative" } else { "must be positive" };
             return Err(self.err(v.span(), format!("{key}: {n} {what}")));
         }
         Ok(Some(n as usize))
     }
 
     fn apply(&self, p: &SettingsPatch, s: &mut Settings) -> Result<(), SuiteError> {
-        let set = |dst: &mut usize,
-                   key: &str,
-                   v: &Option<Spanned<i64>>,
-                   zero: bool|
-         -> Result<(), SuiteError> {
+        let set = |dst: &mut usize, key: &str, v: &Option<Spanned<i64>>, zero: bool| -> Result<(), SuiteError> {
             if let Some(n) = self.positive(key, v, zero)? {
                 *dst = n;
             }
             Ok(())
         };
-        set(
-            &mut s.max_tokens,
-            "settings.max_tokens",
-            &p.max_tokens,
-            false,
-        )?;
-        set(
-            &mut s.block_size,
-            "settings.block_size",
-            &p.block_size,
-            false,
-        )?;
+        set(&mut s.max_tokens, "settings.max_tokens", &p.max_tokens, false)?;
+        set(&mut s.block_size, "settings.block_size", &p.block_size, false)?;
         set(&mut s.tile, "settings.tile", &p.tile, false)?;
         if let Some(t) = &p.tile {
             if *t.get_ref() % 8 != 0 {
-                return Err(self.err(
-                    t.span(),
-                    format!("settings.tile: {} is not a multiple of 8", t.get_ref()),
-                ));
+                return Err(self.err(t.span(), format!("settings.tile: {} is not a multiple of 8", t.get_ref())));
             }
         }
         set(&mut s.chunk, "settings.chunk", &p.chunk, false)?;
         set(&mut s.lookahead, "settings.lookahead", &p.lookahead, true)?;
-        set(
-            &mut s.rollback_every,
-            "settings.rollback_every",
-            &p.rollback_every,
-            false,
-        )?;
+        set(&mut s.rollback_every, "settings.rollback_every", &p.rollback_every, false)?;
         if let Some(b) = p.poison {
             s.poison = b;
         }
@@ -254,24 +208,13 @@ impl Ctx<'_> {
             s.pool_blocks = Some(n);
         }
         if let Some(c) = &p.concurrent {
-            set(
-                &mut s.concurrent.requests,
-                "settings.concurrent.requests",
-                &c.requests,
-                false,
-            )?;
-            set(
-                &mut s.concurrent.max_batch,
-                "settings.concurrent.max_batch",
-                &c.max_batch,
-                false,
-            )?;
+            set(&mut s.concurrent.requests, "settings.concurrent.requests", &c.requests, false)?;
+            set(&mut s.concurrent.max_batch, "settings.concurrent.max_batch", &c.max_batch, false)?;
             if let Some(a) = &c.arrivals {
                 if a.get_ref().is_empty() || a.get_ref().iter().any(|&x| x < 0) {
-                    return Err(self.err(
-                        a.span(),
-                        "settings.concurrent.arrivals: needs at least one step, none negative",
-                    ));
+                    return Err(
+                        self.err(a.span(), "settings.concurrent.arrivals: needs at least one step, none negative")
+                    );
                 }
                 s.concurrent.arrivals = a.get_ref().iter().map(|&x| x as usize).collect();
             }
@@ -284,27 +227,18 @@ impl Ctx<'_> {
         if let Some(v) = &p.max_rel_rms {
             let x = *v.get_ref();
             if !(x.is_finite() && x >= 0.0) {
-                return Err(self.err(
-                    v.span(),
-                    format!("tolerance.max_rel_rms: {x} must be a non-negative number"),
-                ));
+                return Err(self.err(v.span(), format!("tolerance.max_rel_rms: {x} must be a non-negative number")));
             }
             t.max_rel_rms = x as f32;
         }
         if let Some(strict) = p.strict {
-            t.allow = if strict {
-                vec![Verdict::Identical]
-            } else {
-                vec![Verdict::Identical, Verdict::NearTie]
-            };
+            t.allow = if strict { vec![Verdict::Identical] } else { vec![Verdict::Identical, Verdict::NearTie] };
         }
         Ok(())
     }
 
     fn dtype(&self, v: &Spanned<String>) -> Result<DtypeSetting, SuiteError> {
-        v.get_ref()
-            .parse()
-            .map_err(|e: String| self.err(v.span(), format!("dtype: {e}")))
+        v.get_ref().parse().map_err(|e: String| self.err(v.span(), format!("dtype: {e}")))
     }
 
     fn scenarios(&self, list: &[Spanned<String>]) -> Result<Vec<Scenario>, SuiteError> {
@@ -312,27 +246,14 @@ impl Ctx<'_> {
             .map(|s| {
                 Scenario::parse(s.get_ref()).ok_or_else(|| {
                     let known: Vec<&str> = scenario::ALL.iter().map(|s| s.name()).collect();
-                    self.err(
-                        s.span(),
-                        format!(
-                            "unknown scenario `{}`; known: {}",
-                            s.get_ref(),
-                            known.join(", ")
-                        ),
-                    )
+                    self.err(s.span(), format!("unknown scenario `{}`; known: {}", s.get_ref(), known.join(", ")))
                 })
             })
             .collect()
     }
 
     fn backends(&self, list: &[Spanned<String>]) -> Result<Vec<Backend>, SuiteError> {
-        list.iter()
-            .map(|b| {
-                b.get_ref()
-                    .parse()
-                    .map_err(|e: String| self.err(b.span(), e))
-            })
-            .collect()
+        list.iter().map(|b| b.get_ref().parse().map_err(|e: String| self.err(b.span(), e))).collect()
     }
 }
 
@@ -343,10 +264,7 @@ pub fn default_tolerance(dtype: DtypeSetting) -> Tolerance {
         DtypeSetting::Float32 => 1e-3,
         _ => 2e-2,
     };
-    Tolerance {
-        max_rel_rms,
-        allow: vec![Verdict::Identical, Verdict::NearTie],
-    }
+    Tolerance { max_rel_rms, allow: vec![Verdict::Identical, Verdict::NearTie] }
 }
 
 pub fn load(file: &Path) -> Result<Suite, SuiteError> {
@@ -366,12 +284,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
         cx.err(span, e.message().to_string())
     })?;
 
-    let suite_dtype = raw
-        .dtype
-        .as_ref()
-        .map(|d| cx.dtype(d))
-        .transpose()?
-        .unwrap_or(DtypeSetting::Float32);
+    let suite_dtype = raw.dtype.as_ref().map(|d| cx.dtype(d)).transpose()?.unwrap_or(DtypeSetting::Float32);
     let suite_backends = match &raw.backends {
         Some(b) => cx.backends(b)?,
         None => vec![Backend::Dense, Backend::Paged],
@@ -401,43 +314,28 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             (None, Some(c), None) => PromptSource::Chat(c.clone()),
             (None, None, Some(ids)) if !ids.is_empty() => PromptSource::Ids(ids.clone()),
             _ => {
-                return Err(cx.err(
-                    span,
-                    format!("prompt `{name}`: give exactly one of text, chat or ids (non-empty)"),
-                ));
+                return Err(cx.err(span, format!("prompt `{name}`: give exactly one of text, chat or ids (non-empty)")));
             }
         };
         let length = cx.positive("length", &p.length, false)?;
-        prompts.push(PromptSpec {
-            name,
-            source,
-            length,
-        });
+        prompts.push(PromptSpec { name, source, length });
     }
 
     if raw.checkpoints.is_empty() {
-        return Err(cx.err(
-            0..0,
-            "no [[checkpoints]]: a suite needs at least one checkpoint",
-        ));
+        return Err(cx.err(0..0, "no [[checkpoints]]: a suite needs at least one checkpoint"));
     }
     let mut checkpoints: Vec<CheckpointSpec> = Vec::new();
     for c in &raw.checkpoints {
         let span = c.span();
         let c = c.get_ref();
         let reference = match (&c.path, &c.repo) {
-            (Some(p), None) => {
-                expand_env(p.get_ref()).map_err(|m| cx.err(p.span(), format!("path: {m}")))?
-            }
+            (Some(p), None) => expand_env(p.get_ref()).map_err(|m| cx.err(p.span(), format!("path: {m}")))?,
             (None, Some(r)) => r.get_ref().clone(),
             _ => return Err(cx.err(span, "checkpoint: give exactly one of path or repo")),
         };
         let name = c.name.clone().unwrap_or_else(|| default_name(&reference));
         if checkpoints.iter().any(|k| k.name == name) {
-            return Err(cx.err(
-                span,
-                format!("checkpoint name `{name}` is used twice; set `name`"),
-            ));
+            return Err(cx.err(span, format!("checkpoint name `{name}` is used twice; set `name`")));
         }
         let dtype = match &c.dtype {
             Some(d) => cx.dtype(d)?,
@@ -482,28 +380,14 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
         });
     }
 
-    let name = raw.name.unwrap_or_else(|| {
-        file.file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or("suite")
-            .to_string()
-    });
-    Ok(Suite {
-        name,
-        file: file.to_path_buf(),
-        prompts,
-        checkpoints,
-    })
+    let name = raw.name.unwrap_or_else(|| file.file_stem().and_then(|s| s.to_str()).unwrap_or("suite").to_string());
+    Ok(Suite { name, file: file.to_path_buf(), prompts, checkpoints })
 }
 
 /// A checkpoint's report name from its reference: the last path component or the repo name,
 /// without a `.toml` extension.
 fn default_name(reference: &str) -> String {
-    let last = reference
-        .trim_end_matches('/')
-        .rsplit('/')
-        .next()
-        .unwrap_or(reference);
+    let last = reference.trim_end_matches('/').rsplit('/').next().unwrap_or(reference);
     last.strip_suffix(".toml").unwrap_or(last).to_string()
 }
 
@@ -515,9 +399,7 @@ pub fn expand_env(s: &str) -> Result<String, String> {
     while let Some(start) = rest.find("${") {
         out.push_str(&rest[..start]);
         let after = &rest[start + 2..];
-        let end = after
-            .find('}')
-            .ok_or_else(|| format!("unterminated `${{` in `{s}`"))?;
+        let end = after.find('}').ok_or_else(|| format!("unterminated `${{` in `{s}`"))?;
         let inner = &after[..end];
         let (var, default) = match inner.split_once(":-") {
             Some((v, d)) => (v, Some(d)),
@@ -542,11 +424,6 @@ pub fn expand_env(s: &str) -> Result<String, String> {
 fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let before = &text[..offset.min(text.len())];
     let line = before.matches('\n').count() + 1;
-    let column = before
-        .rsplit('\n')
-        .next()
-        .map(|l| l.chars().count())
-        .unwrap_or(0)
-        + 1;
+    let column = before.rsplit('\n').next().map(|l| l.chars().count()).unwrap_or(0) + 1;
     (line, column)
 }

@@ -13,8 +13,7 @@ use parity::kv::{DenseCache, PagedBlockPool, PoolOptions};
 use parity::model::Model;
 
 fn load_err(dir: &Path) -> String {
-    let result =
-        ModelConfig::load(dir).and_then(|c| Model::load(dir, c, Some(DtypeName::Float32), false));
+    let result = ModelConfig::load(dir).and_then(|c| Model::load(dir, c, Some(DtypeName::Float32), false));
     match result {
         Ok(_) => panic!("loading {} should fail", dir.display()),
         Err(e) => e.to_string(),
@@ -23,8 +22,7 @@ fn load_err(dir: &Path) -> String {
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let path = dir.join("config.json");
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     f(&mut v);
     std::fs::write(&path, v.to_string()).unwrap();
 }
@@ -38,11 +36,7 @@ fn fixtures_of_every_family_load_and_generate() {
         let mut kv = DenseCache::new(model.kv_shape());
         let (_, trace) = engine::generate(&model, &mut kv, &prompt, 4).unwrap();
         assert_eq!(trace.tokens.len(), 4, "{name}");
-        assert_eq!(
-            trace.logits[0].shape(),
-            &[model.config.vocab_size as i32],
-            "{name}"
-        );
+        assert_eq!(trace.logits[0].shape(), &[model.config.vocab_size as i32], "{name}");
     }
 }
 
@@ -62,10 +56,7 @@ fn malformed_config_json_names_the_file() {
     let dir = common::copy_checkpoint(&common::fixture("llama-tiny"), "bad-json");
     std::fs::write(dir.join("config.json"), "{ \"model_type\": \"llama\", ").unwrap();
     let e = load_err(&dir);
-    assert!(
-        e.contains("config.json") && e.contains("not valid JSON"),
-        "{e}"
-    );
+    assert!(e.contains("config.json") && e.contains("not valid JSON"), "{e}");
 }
 
 #[test]
@@ -73,10 +64,7 @@ fn unknown_model_type_lists_the_supported_ones() {
     let dir = common::copy_checkpoint(&common::fixture("llama-tiny"), "bad-type");
     edit_config(&dir, |v| v["model_type"] = "mamba".into());
     let e = load_err(&dir);
-    assert!(
-        e.contains("config.json") && e.contains("model_type") && e.contains("mamba"),
-        "{e}"
-    );
+    assert!(e.contains("config.json") && e.contains("model_type") && e.contains("mamba"), "{e}");
     assert!(e.contains("llama, qwen3"), "{e}");
 }
 
@@ -93,20 +81,14 @@ fn missing_and_mistyped_fields_are_named() {
         v["num_attention_heads"] = "four".into();
     });
     let e = load_err(&dir);
-    assert!(
-        e.contains("`num_attention_heads`") && e.contains("positive integer"),
-        "{e}"
-    );
+    assert!(e.contains("`num_attention_heads`") && e.contains("positive integer"), "{e}");
 
     edit_config(&dir, |v| {
         v["num_attention_heads"] = 4.into();
         v["num_key_value_heads"] = 3.into();
     });
     let e = load_err(&dir);
-    assert!(
-        e.contains("`num_key_value_heads`") && e.contains("does not divide"),
-        "{e}"
-    );
+    assert!(e.contains("`num_key_value_heads`") && e.contains("does not divide"), "{e}");
 }
 
 #[test]
@@ -125,10 +107,7 @@ fn truncated_safetensors_is_an_error_naming_the_file() {
     for keep in [4, 100, bytes.len() / 2, bytes.len() - 1] {
         std::fs::write(&file, &bytes[..keep]).unwrap();
         let e = load_err(&dir);
-        assert!(
-            e.contains("model.safetensors") && e.contains("truncated or corrupt"),
-            "keep {keep}: {e}"
-        );
+        assert!(e.contains("model.safetensors") && e.contains("truncated or corrupt"), "keep {keep}: {e}");
     }
 }
 
@@ -141,11 +120,7 @@ fn shard_index_pointing_at_a_missing_shard_is_an_error() {
     )
     .unwrap();
     let e = load_err(&dir);
-    assert!(
-        e.contains("model.safetensors.index.json")
-            && e.contains("model-00002-of-00002.safetensors"),
-        "{e}"
-    );
+    assert!(e.contains("model.safetensors.index.json") && e.contains("model-00002-of-00002.safetensors"), "{e}");
 }
 
 #[test]
@@ -155,9 +130,7 @@ fn wrong_shapes_name_the_tensor_and_both_shapes() {
     edit_config(&dir, |v| v["intermediate_size"] = 256.into());
     let e = load_err(&dir);
     assert!(
-        e.contains("model.layers.0.mlp.gate_proj.weight")
-            && e.contains("[128, 64]")
-            && e.contains("[256, 64]"),
+        e.contains("model.layers.0.mlp.gate_proj.weight") && e.contains("[128, 64]") && e.contains("[256, 64]"),
         "{e}"
     );
 
@@ -165,10 +138,7 @@ fn wrong_shapes_name_the_tensor_and_both_shapes() {
     let dir = common::copy_checkpoint(&common::fixture("qwen3-tiny"), "wrong-bits");
     edit_config(&dir, |v| v["quantization"]["bits"] = 8.into());
     let e = load_err(&dir);
-    assert!(
-        e.contains("model.embed_tokens.weight") && e.contains("shape"),
-        "{e}"
-    );
+    assert!(e.contains("model.embed_tokens.weight") && e.contains("shape"), "{e}");
 }
 
 #[test]
@@ -176,57 +146,29 @@ fn missing_tensor_is_named() {
     let dir = common::copy_checkpoint(&common::fixture("llama-tiny"), "missing-tensor");
     edit_config(&dir, |v| v["num_hidden_layers"] = 3.into());
     let e = load_err(&dir);
-    assert!(
-        e.contains("model.layers.2.") && e.contains("missing"),
-        "{e}"
-    );
+    assert!(e.contains("model.layers.2.") && e.contains("missing"), "{e}");
 }
 
 #[test]
 fn unknown_repo_id_says_where_it_looked_and_how_to_fetch() {
     let cache = common::scratch("hf-cache-empty");
-    let e = checkpoint::resolve_in("mlx-community/Qwen3-0.6B-4bit", Path::new("."), Some(cache))
-        .unwrap_err();
+    let e = checkpoint::resolve_in("mlx-community/Qwen3-0.6B-4bit", Path::new("."), Some(cache)).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, Error::CheckpointNotFound { .. }));
-    assert!(
-        msg.contains("models--mlx-community--Qwen3-0.6B-4bit"),
-        "{msg}"
-    );
-    assert!(
-        msg.contains("huggingface-cli download mlx-community/Qwen3-0.6B-4bit"),
-        "{msg}"
-    );
+    assert!(msg.contains("models--mlx-community--Qwen3-0.6B-4bit"), "{msg}");
+    assert!(msg.contains("huggingface-cli download mlx-community/Qwen3-0.6B-4bit"), "{msg}");
 }
 
 #[test]
 fn hf_cache_location_follows_huggingface_hub_precedence() {
     use std::ffi::OsString;
     let env = |pairs: &'static [(&'static str, &'static str)]| {
-        move |k: &str| {
-            pairs
-                .iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| OsString::from(v))
-        }
+        move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| OsString::from(v))
     };
     let dir = checkpoint::hf_cache_dir_from;
-    assert_eq!(
-        dir(env(&[
-            ("HF_HUB_CACHE", "/a"),
-            ("HF_HOME", "/b"),
-            ("HOME", "/h")
-        ])),
-        Some("/a".into())
-    );
-    assert_eq!(
-        dir(env(&[("HF_HOME", "/b"), ("HOME", "/h")])),
-        Some("/b/hub".into())
-    );
-    assert_eq!(
-        dir(env(&[("HF_HUB_CACHE", ""), ("HOME", "/h")])),
-        Some("/h/.cache/huggingface/hub".into())
-    );
+    assert_eq!(dir(env(&[("HF_HUB_CACHE", "/a"), ("HF_HOME", "/b"), ("HOME", "/h")])), Some("/a".into()));
+    assert_eq!(dir(env(&[("HF_HOME", "/b"), ("HOME", "/h")])), Some("/b/hub".into()));
+    assert_eq!(dir(env(&[("HF_HUB_CACHE", ""), ("HOME", "/h")])), Some("/h/.cache/huggingface/hub".into()));
 }
 
 #[test]
@@ -252,39 +194,18 @@ fn prompt_longer_than_the_context_is_an_error() {
     let (model, _) = common::load(&dir);
     let mut kv = DenseCache::new(model.kv_shape());
     let err = engine::generate(&model, &mut kv, &[65; 20], 4).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::ContextOverflow {
-                held: 0,
-                adding: 20,
-                context: 16
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, Error::ContextOverflow { held: 0, adding: 20, context: 16 }), "{err}");
     // Decode past the context stops with the same error, not a panic.
     let mut kv = DenseCache::new(model.kv_shape());
     let err = engine::generate(&model, &mut kv, &[65; 10], 10).unwrap_err();
-    assert!(
-        err.to_string().contains("exceeds the context of 16"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("exceeds the context of 16"), "{err}");
 }
 
 #[test]
 fn exhausted_pool_is_an_error() {
     let (model, _) = common::load(&common::fixture("llama-tiny"));
-    let opts = PoolOptions {
-        block_size: 4,
-        slab_blocks: 2,
-        max_blocks: Some(3),
-        poison: false,
-    };
+    let opts = PoolOptions { block_size: 4, slab_blocks: 2, max_blocks: Some(3), poison: false };
     let mut kv = PagedBlockPool::new(model.kv_shape(), opts, Faults::NONE).unwrap();
     let err = engine::generate(&model, &mut kv, &[65; 10], 8).unwrap_err();
-    assert!(
-        matches!(err, Error::PoolExhausted { budget: 3, .. }),
-        "{err}"
-    );
+    assert!(matches!(err, Error::PoolExhausted { budget: 3, .. }), "{err}");
 }

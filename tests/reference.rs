@@ -9,30 +9,16 @@ use parity::kv::{DenseCache, KvCache, PagedBlockPool, PoolOptions};
 use serde_json::Value;
 
 fn cases() -> Vec<(String, Vec<u32>, Vec<u32>)> {
-    let path = common::shared()
-        .join("reference")
-        .join("smollm2-4bit-f32-mlx-lm.json");
+    let path = common::shared().join("reference").join("smollm2-4bit-f32-mlx-lm.json");
     let text = std::fs::read_to_string(&path).expect("reference file");
     let v: Value = serde_json::from_str(&text).expect("reference json");
     assert_eq!(v["dtype"], "float32");
-    let ids = |x: &Value| {
-        x.as_array()
-            .expect("ids")
-            .iter()
-            .map(|i| i.as_u64().expect("id") as u32)
-            .collect::<Vec<_>>()
-    };
+    let ids = |x: &Value| x.as_array().expect("ids").iter().map(|i| i.as_u64().expect("id") as u32).collect::<Vec<_>>();
     v["cases"]
         .as_array()
         .expect("cases")
         .iter()
-        .map(|c| {
-            (
-                c["text"].as_str().unwrap_or("").to_string(),
-                ids(&c["prompt_ids"]),
-                ids(&c["greedy"]),
-            )
-        })
+        .map(|c| (c["text"].as_str().unwrap_or("").to_string(), ids(&c["prompt_ids"]), ids(&c["greedy"])))
         .collect()
 }
 
@@ -44,33 +30,18 @@ fn smollm2_matches_mlx_lm_reference_on_dense_and_paged() {
     assert_eq!(cases.len(), 4);
     for (i, (text, prompt, expected)) in cases.iter().enumerate() {
         // The tokenizer and chat template reproduce the reference prompt ids too.
-        let ours = if i % 2 == 1 {
-            tok.encode_chat(text).unwrap()
-        } else {
-            tok.encode_raw(text).unwrap()
-        };
+        let ours = if i % 2 == 1 { tok.encode_chat(text).unwrap() } else { tok.encode_raw(text).unwrap() };
         assert_eq!(&ours, prompt, "prompt ids for case {i} ({text:?})");
 
         let mut dense = DenseCache::new(model.kv_shape());
         let (_, trace) = engine::generate(&model, &mut dense, prompt, expected.len()).unwrap();
-        assert_eq!(
-            &trace.tokens, expected,
-            "dense greedy tokens, case {i} ({text:?})"
-        );
+        assert_eq!(&trace.tokens, expected, "dense greedy tokens, case {i} ({text:?})");
 
         for bs in [32, 16] {
-            let opts = PoolOptions {
-                block_size: bs,
-                poison: true,
-                ..PoolOptions::default()
-            };
+            let opts = PoolOptions { block_size: bs, poison: true, ..PoolOptions::default() };
             let mut paged = PagedBlockPool::new(model.kv_shape(), opts, Faults::NONE).unwrap();
-            let (seq, trace) =
-                engine::generate(&model, &mut paged, prompt, expected.len()).unwrap();
-            assert_eq!(
-                &trace.tokens, expected,
-                "paged (block {bs}) greedy tokens, case {i}"
-            );
+            let (seq, trace) = engine::generate(&model, &mut paged, prompt, expected.len()).unwrap();
+            assert_eq!(&trace.tokens, expected, "paged (block {bs}) greedy tokens, case {i}");
             assert_eq!(paged.len(seq).unwrap(), prompt.len() + expected.len() - 1);
         }
     }

@@ -7,8 +7,8 @@ use parity::compare::Verdict;
 use parity::report::diff::text_diff;
 use parity::report::merge::merge;
 use parity::report::{
-    CheckpointReport, CheckpointStatus, DivergenceReport, Environment, Phase, Report, Row,
-    SCHEMA_VERSION, Shard, Summary, junit, markdown, table,
+    CheckpointReport, CheckpointStatus, DivergenceReport, Environment, Phase, Report, Row, SCHEMA_VERSION, Shard,
+    Summary, junit, markdown, table,
 };
 use parity::scenario::Settings;
 
@@ -31,16 +31,8 @@ fn row(checkpoint: &str, scenario: &str, case: &str, backend: &str, verdict: Ver
         pass: verdict != Verdict::Error,
         failure: None,
         first_divergence: None,
-        tokens: if ran {
-            vec![576, 6722, 315, 9625]
-        } else {
-            vec![]
-        },
-        reference_tokens: if ran {
-            vec![576, 6722, 315, 9625]
-        } else {
-            vec![]
-        },
+        tokens: if ran { vec![576, 6722, 315, 9625] } else { vec![] },
+        reference_tokens: if ran { vec![576, 6722, 315, 9625] } else { vec![] },
         text: ran.then(|| "The capital of France is Paris.".into()),
         reference_text: ran.then(|| "The capital of France is Paris.".into()),
         max_rel_rms: ran.then_some(0.0),
@@ -86,35 +78,19 @@ fn checkpoint(name: &str, reference: &str, status: CheckpointStatus) -> Checkpoi
         reason: (!ran).then(|| NOT_FOUND.into()),
         dtype: if ran { "float32" } else { "auto" }.into(),
         dequantized: false,
-        settings: Settings {
-            block_size: 16,
-            ..Settings::default()
-        },
+        settings: Settings { block_size: 16, ..Settings::default() },
         max_rel_rms_tolerance: 1e-2,
         allowed_verdicts: vec![Verdict::Identical, Verdict::NearTie],
         phases: if ran {
             vec![
-                Phase {
-                    name: "load".into(),
-                    seconds: 0.25,
-                },
-                Phase {
-                    name: "reference".into(),
-                    seconds: 1.5,
-                },
-                Phase {
-                    name: "single dense".into(),
-                    seconds: 0.5,
-                },
+                Phase { name: "load".into(), seconds: 0.25 },
+                Phase { name: "reference".into(), seconds: 1.5 },
+                Phase { name: "single dense".into(), seconds: 0.5 },
             ]
         } else {
             vec![]
         },
-        noise_floor: if ran {
-            BTreeMap::from([("len37".to_string(), Some(3.2e-6))])
-        } else {
-            BTreeMap::new()
-        },
+        noise_floor: if ran { BTreeMap::from([("len37".to_string(), Some(3.2e-6))]) } else { BTreeMap::new() },
     }
 }
 
@@ -135,9 +111,7 @@ fn report() -> Report {
     rows.push(row(tiny, "padded", "tile", "dense", Verdict::Identical));
     let mut bad = row(tiny, "padded", "tile", "paged", Verdict::Diverged);
     bad.pass = false;
-    bad.failure = Some(
-        "diverged at step 1 (position 37); max relative RMS 4.100e-2 > tolerance 1.0e-2".into(),
-    );
+    bad.failure = Some("diverged at step 1 (position 37); max relative RMS 4.100e-2 > tolerance 1.0e-2".into());
     let mut d = divergence(1, 0, 37, Some(2));
     d.pads_trimmed = 27;
     d.mutual_top_k = false;
@@ -208,11 +182,8 @@ fn table_colors_only_when_asked() {
     assert!(colored.contains("\x1b[32mPASS\x1b[0m"));
     assert!(colored.contains("\x1b[31mFAIL\x1b[0m"));
     assert!(colored.contains("\x1b[33mSKIP\x1b[0m"));
-    let stripped = colored
-        .replace("\x1b[31m", "")
-        .replace("\x1b[32m", "")
-        .replace("\x1b[33m", "")
-        .replace("\x1b[0m", "");
+    let stripped =
+        colored.replace("\x1b[31m", "").replace("\x1b[32m", "").replace("\x1b[33m", "").replace("\x1b[0m", "");
     assert_eq!(stripped, table::render(&report(), false));
 }
 
@@ -241,11 +212,7 @@ fn checkpoint_error_is_said_once() {
     let broken = &mut r.checkpoints[1];
     broken.status = CheckpointStatus::Error;
     broken.reason = Some("config.json: field `head_dim`: expected an integer\nat line 12".into());
-    for row in r
-        .rows
-        .iter_mut()
-        .filter(|row| row.checkpoint == "qwen3-0.6b")
-    {
+    for row in r.rows.iter_mut().filter(|row| row.checkpoint == "qwen3-0.6b") {
         row.verdict = Verdict::Error;
         row.pass = false;
         row.failure = broken.reason.clone();
@@ -253,19 +220,12 @@ fn checkpoint_error_is_said_once() {
     r.summary = Summary::of(&r.rows);
     let t = table::render(&r, false);
     assert_eq!(t.matches("field `head_dim`").count(), 1, "{t}");
-    assert!(
-        t.contains("FAIL qwen3-0.6b: checkpoint error, 2 rows not run\n"),
-        "{t}"
-    );
+    assert!(t.contains("FAIL qwen3-0.6b: checkpoint error, 2 rows not run\n"), "{t}");
     assert!(!t.contains("FAIL qwen3-0.6b/"), "{t}");
     let md = markdown::render(&r);
     assert_eq!(md.matches("field `head_dim`").count(), 1, "{md}");
     let xml = junit::render(&r);
-    assert_eq!(
-        xml.matches("<error message=\"config.json").count(),
-        2,
-        "{xml}"
-    );
+    assert_eq!(xml.matches("<error message=\"config.json").count(), 2, "{xml}");
 }
 
 #[test]
@@ -275,25 +235,16 @@ fn nan_and_missing_noise_floor() {
     r.rows[4].nan = true;
     r.rows[6].noise_floor_rel_rms = None;
     let t = table::render(&r, false);
-    assert!(
-        t.contains("rel RMS     NaN (a poisoned or freed row was read)"),
-        "{t}"
-    );
+    assert!(t.contains("rel RMS     NaN (a poisoned or freed row was read)"), "{t}");
     assert!(t.contains("max 3.000e-2, no noise floor"), "{t}");
 }
 
 #[test]
 fn xml_escaping() {
-    assert_eq!(
-        junit::escape("<a href=\"x\">&'b'</a>"),
-        "&lt;a href=&quot;x&quot;&gt;&amp;&apos;b&apos;&lt;/a&gt;"
-    );
+    assert_eq!(junit::escape("<a href=\"x\">&'b'</a>"), "&lt;a href=&quot;x&quot;&gt;&amp;&apos;b&apos;&lt;/a&gt;");
     // Tabs and newlines survive attribute normalisation; what XML 1.0 cannot carry is shown.
     assert_eq!(junit::escape("a\tb\nc\r"), "a&#9;b&#10;c&#13;");
-    assert_eq!(
-        junit::escape("\u{0}\u{1b}x\u{ffff}"),
-        "\\u{0}\\u{1b}x\\u{ffff}"
-    );
+    assert_eq!(junit::escape("\u{0}\u{1b}x\u{ffff}"), "\\u{0}\\u{1b}x\\u{ffff}");
     assert_eq!(junit::escape("naïve 東京"), "naïve 東京");
 
     let mut r = report();
@@ -311,16 +262,12 @@ fn shards() -> (Report, Report) {
     let mut b = full.clone();
     a.shard = Some(Shard { index: 1, count: 2 });
     b.shard = Some(Shard { index: 2, count: 2 });
-    let in_a = |r: &Row| {
-        matches!(r.scenario.as_str(), "single" | "padded") && r.checkpoint == "qwen3-tiny"
-    };
+    let in_a = |r: &Row| matches!(r.scenario.as_str(), "single" | "padded") && r.checkpoint == "qwen3-tiny";
     a.rows.retain(|r| in_a(r));
     b.rows.retain(|r| !in_a(r));
     a.checkpoints.truncate(1);
     b.checkpoints[0].phases[2].name = "batch2 paged".into();
-    b.checkpoints[0]
-        .noise_floor
-        .insert("len37".into(), Some(4.0e-6));
+    b.checkpoints[0].noise_floor.insert("len37".into(), Some(4.0e-6));
     a.summary = Summary::of(&a.rows);
     a.summary.seconds = 5.0;
     b.summary = Summary::of(&b.rows);
@@ -343,20 +290,8 @@ fn merge_two_shards() {
     let names: Vec<&str> = ab.checkpoints.iter().map(|c| c.name.as_str()).collect();
     assert_eq!(names, ["qwen3-tiny", "qwen3-0.6b"]);
     let tiny = &ab.checkpoints[0];
-    let phases: Vec<(&str, f64)> = tiny
-        .phases
-        .iter()
-        .map(|p| (p.name.as_str(), p.seconds))
-        .collect();
-    assert_eq!(
-        phases,
-        [
-            ("load", 0.5),
-            ("reference", 3.0),
-            ("single dense", 0.5),
-            ("batch2 paged", 0.5)
-        ]
-    );
+    let phases: Vec<(&str, f64)> = tiny.phases.iter().map(|p| (p.name.as_str(), p.seconds)).collect();
+    assert_eq!(phases, [("load", 0.5), ("reference", 3.0), ("single dense", 0.5), ("batch2 paged", 0.5)]);
     assert_eq!(tiny.noise_floor["len37"], Some(4.0e-6));
     assert_eq!(ab.checkpoints[1].status, CheckpointStatus::Skipped);
 }
@@ -368,14 +303,8 @@ fn merge_takes_the_worst_checkpoint_status() {
     b.checkpoints[0].reason = Some("not on this runner".into());
     let m = merge(vec![a, b]).expect("merge");
     assert_eq!(m.checkpoints[0].status, CheckpointStatus::Skipped);
-    assert_eq!(
-        m.checkpoints[0].reason.as_deref(),
-        Some("not on this runner")
-    );
-    assert_eq!(
-        m.checkpoints[0].dtype, "float32",
-        "dtype from the shard that ran"
-    );
+    assert_eq!(m.checkpoints[0].reason.as_deref(), Some("not on this runner"));
+    assert_eq!(m.checkpoints[0].dtype, "float32", "dtype from the shard that ran");
 }
 
 #[test]
@@ -413,10 +342,7 @@ fn text_diff_of_equal_strings_has_no_markers() {
 #[test]
 fn text_diff_marks_one_word() {
     assert_eq!(
-        text_diff(
-            "The capital is Paris, France",
-            "The capital is Lyon, France"
-        ),
+        text_diff("The capital is Paris, France", "The capital is Lyon, France"),
         "The capital is [-Paris-]{+Lyon+}, France"
     );
     assert_eq!(text_diff("a b c", "x y z"), "[-a b c-]{+x y z+}");

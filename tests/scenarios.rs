@@ -15,10 +15,7 @@ fn prompts() -> Vec<Prompt> {
     let text = "The quick brown fox jumps over the lazy dog while parity checks the cache";
     [3, 5, 7, 9, 16, 21]
         .into_iter()
-        .map(|n| Prompt {
-            name: format!("len{n}"),
-            ids: text.as_bytes()[..n].iter().map(|&b| b as u32).collect(),
-        })
+        .map(|n| Prompt { name: format!("len{n}"), ids: text.as_bytes()[..n].iter().map(|&b| b as u32).collect() })
         .collect()
 }
 
@@ -50,8 +47,7 @@ fn every_scenario_matches_the_reference_on_both_backends() {
                     let reference = h.reference(&c.prompt.ids).unwrap();
                     for (row, path) in c.paths.iter().enumerate() {
                         assert!(!path.tokens.is_empty());
-                        let cmp =
-                            compare::compare(&reference, path, DtypeName::Float32, 1e-3).unwrap();
+                        let cmp = compare::compare(&reference, path, DtypeName::Float32, 1e-3).unwrap();
                         let what = format!(
                             "{fixture} {} {} {} {} row {row}",
                             sc.name(),
@@ -65,11 +61,7 @@ fn every_scenario_matches_the_reference_on_both_backends() {
                             cmp.verdict,
                             cmp.first_divergence
                         );
-                        assert!(
-                            cmp.max_rel_rms < 1e-4,
-                            "{what}: rel RMS {}",
-                            cmp.max_rel_rms
-                        );
+                        assert!(cmp.max_rel_rms < 1e-4, "{what}: rel RMS {}", cmp.max_rel_rms);
                     }
                 }
             }

@@ -120,8 +120,7 @@ impl<'a> Fields<'a> {
         }
     }
     fn usize(&self, field: &str) -> Result<usize> {
-        self.usize_opt(field)?
-            .ok_or_else(|| self.err(field, "missing"))
+        self.usize_opt(field)?.ok_or_else(|| self.err(field, "missing"))
     }
     fn f32_or(&self, field: &str, default: f32) -> Result<f32> {
         match self.get(field) {
@@ -144,13 +143,10 @@ impl<'a> Fields<'a> {
         let as_id = |v: &Value| v.as_u64().and_then(|n| u32::try_from(n).ok());
         match self.get(field) {
             None => Ok(vec![]),
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|v| as_id(v).ok_or_else(|| self.err(field, format!("not a token id: {v}"))))
-                .collect(),
-            Some(v) => as_id(v)
-                .map(|id| vec![id])
-                .ok_or_else(|| self.err(field, format!("not a token id: {v}"))),
+            Some(Value::Array(items)) => {
+                items.iter().map(|v| as_id(v).ok_or_else(|| self.err(field, format!("not a token id: {v}")))).collect()
+            }
+            Some(v) => as_id(v).map(|id| vec![id]).ok_or_else(|| self.err(field, format!("not a token id: {v}"))),
         }
     }
 }
@@ -163,11 +159,9 @@ impl ModelConfig {
     }
 
     pub fn parse(file: &Path, text: &str) -> Result<Self> {
-        let value: Value = serde_json::from_str(text)
-            .map_err(|e| Error::config(file, format!("not valid JSON: {e}")))?;
-        let obj = value
-            .as_object()
-            .ok_or_else(|| Error::config(file, "expected a JSON object at the top level"))?;
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| Error::config(file, format!("not valid JSON: {e}")))?;
+        let obj = value.as_object().ok_or_else(|| Error::config(file, "expected a JSON object at the top level"))?;
         let f = Fields { file, obj };
 
         let model_type = f
@@ -181,10 +175,7 @@ impl ModelConfig {
             other => {
                 return Err(f.err(
                     "model_type",
-                    format!(
-                        "unsupported model_type `{other}`; supported: {}",
-                        SUPPORTED_MODEL_TYPES.join(", ")
-                    ),
+                    format!("unsupported model_type `{other}`; supported: {}", SUPPORTED_MODEL_TYPES.join(", ")),
                 ));
             }
         };
@@ -202,17 +193,11 @@ impl ModelConfig {
             Some(d) => d,
             None if hidden_size % num_heads == 0 => hidden_size / num_heads,
             None => {
-                return Err(f.err(
-                    "head_dim",
-                    "missing and hidden_size is not a multiple of num_attention_heads",
-                ));
+                return Err(f.err("head_dim", "missing and hidden_size is not a multiple of num_attention_heads"));
             }
         };
         if head_dim % 2 != 0 {
-            return Err(f.err(
-                "head_dim",
-                format!("{head_dim} is odd; RoPE needs an even head_dim"),
-            ));
+            return Err(f.err("head_dim", format!("{head_dim} is odd; RoPE needs an even head_dim")));
         }
 
         let default_theta = match arch {
@@ -248,10 +233,7 @@ impl ModelConfig {
 
     /// Parameter count as stored (a packed uint32 counts for 32/bits weights).
     pub fn describe_heads(&self) -> String {
-        format!(
-            "{} heads, {} KV heads, head_dim {}",
-            self.num_heads, self.num_kv_heads, self.head_dim
-        )
+        format!("{} heads, {} KV heads, head_dim {}", self.num_heads, self.num_kv_heads, self.head_dim)
     }
 }
 
@@ -259,9 +241,7 @@ fn parse_rope_scaling(f: &Fields) -> Result<RopeScaling> {
     let Some(v) = f.get("rope_scaling") else {
         return Ok(RopeScaling::None);
     };
-    let obj = v
-        .as_object()
-        .ok_or_else(|| f.err("rope_scaling", "expected an object"))?;
+    let obj = v.as_object().ok_or_else(|| f.err("rope_scaling", "expected an object"))?;
     let sub = Fields { file: f.file, obj };
     let kind = sub
         .get("rope_type")
@@ -276,61 +256,37 @@ fn parse_rope_scaling(f: &Fields) -> Result<RopeScaling> {
             factor,
             low_freq_factor: sub.f32_or("low_freq_factor", 1.0)?,
             high_freq_factor: sub.f32_or("high_freq_factor", 4.0)?,
-            original_max_position_embeddings: sub
-                .f32_or("original_max_position_embeddings", 8192.0)?,
+            original_max_position_embeddings: sub.f32_or("original_max_position_embeddings", 8192.0)?,
         }),
-        other => Err(f.err(
-            "rope_scaling.rope_type",
-            format!("unsupported `{other}`; supported: default, linear, llama3"),
-        )),
+        other => {
+            Err(f.err("rope_scaling.rope_type", format!("unsupported `{other}`; supported: default, linear, llama3")))
+        }
     }
 }
 
 fn parse_quant_spec(f: &Fields, field: &str, v: &Value) -> Result<QuantSpec> {
-    let obj = v
-        .as_object()
-        .ok_or_else(|| f.err(field, "expected an object"))?;
+    let obj = v.as_object().ok_or_else(|| f.err(field, "expected an object"))?;
     let sub = Fields { file: f.file, obj };
-    let group_size = sub.usize("group_size").map_err(|_| {
-        f.err(
-            &format!("{field}.group_size"),
-            "missing or not a positive integer",
-        )
-    })?;
-    let bits = sub.usize("bits").map_err(|_| {
-        f.err(
-            &format!("{field}.bits"),
-            "missing or not a positive integer",
-        )
-    })?;
+    let group_size = sub
+        .usize("group_size")
+        .map_err(|_| f.err(&format!("{field}.group_size"), "missing or not a positive integer"))?;
+    let bits = sub.usize("bits").map_err(|_| f.err(&format!("{field}.bits"), "missing or not a positive integer"))?;
     if let Some(mode) = sub.get("mode").and_then(Value::as_str) {
         if mode != "affine" {
-            return Err(f.err(
-                &format!("{field}.mode"),
-                format!("unsupported `{mode}`; only affine"),
-            ));
+            return Err(f.err(&format!("{field}.mode"), format!("unsupported `{mode}`; only affine")));
         }
     }
     if ![2, 3, 4, 5, 6, 8].contains(&bits) {
-        return Err(f.err(
-            &format!("{field}.bits"),
-            format!("unsupported {bits}; MLX affine supports 2,3,4,5,6,8"),
-        ));
+        return Err(f.err(&format!("{field}.bits"), format!("unsupported {bits}; MLX affine supports 2,3,4,5,6,8")));
     }
     if ![32, 64, 128].contains(&group_size) {
-        return Err(f.err(
-            &format!("{field}.group_size"),
-            format!("unsupported {group_size}; expected 32, 64 or 128"),
-        ));
+        return Err(f.err(&format!("{field}.group_size"), format!("unsupported {group_size}; expected 32, 64 or 128")));
     }
     Ok(QuantSpec { group_size, bits })
 }
 
 fn parse_quantization(f: &Fields) -> Result<Option<Quantization>> {
-    let Some(v) = f
-        .get("quantization")
-        .or_else(|| f.get("quantization_config"))
-    else {
+    let Some(v) = f.get("quantization").or_else(|| f.get("quantization_config")) else {
         return Ok(None);
     };
     let default = parse_quant_spec(f, "quantization", v)?;

@@ -38,8 +38,7 @@ fn looks_like_repo_id(reference: &str) -> bool {
             !p.is_empty()
                 && p != &"."
                 && p != &".."
-                && p.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
         })
 }
 
@@ -55,11 +54,7 @@ pub fn resolve(reference: &str, base: &Path) -> Result<PathBuf> {
 /// [`resolve`] with an explicit Hugging Face cache directory.
 pub fn resolve_in(reference: &str, base: &Path, hf_cache: Option<PathBuf>) -> Result<PathBuf> {
     let expanded = expand_home(reference);
-    let local = if expanded.is_absolute() {
-        expanded.clone()
-    } else {
-        base.join(&expanded)
-    };
+    let local = if expanded.is_absolute() { expanded.clone() } else { base.join(&expanded) };
     if reference.ends_with(".toml") {
         if local.is_file() {
             return crate::fixture::materialize(&local);
@@ -75,10 +70,7 @@ pub fn resolve_in(reference: &str, base: &Path, hf_cache: Option<PathBuf>) -> Re
         return Ok(local);
     }
     if local.is_dir() {
-        return Err(Error::config(
-            local.join("config.json"),
-            "missing: a checkpoint directory needs config.json",
-        ));
+        return Err(Error::config(local.join("config.json"), "missing: a checkpoint directory needs config.json"));
     }
     if looks_like_repo_id(reference) {
         if let Some(cache) = hf_cache {
@@ -120,14 +112,7 @@ fn hf_snapshot(repo: &Path) -> Option<PathBuf> {
         .filter_map(|e| e.ok())
         .map(|e| e.path())
         .filter(|p| p.join("config.json").is_file())
-        .map(|p| {
-            (
-                p.metadata()
-                    .and_then(|m| m.modified())
-                    .unwrap_or(std::time::UNIX_EPOCH),
-                p,
-            )
-        })
+        .map(|p| (p.metadata().and_then(|m| m.modified()).unwrap_or(std::time::UNIX_EPOCH), p))
         .collect();
     candidates.sort();
     candidates.pop().map(|(_, p)| p)

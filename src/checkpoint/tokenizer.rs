@@ -24,54 +24,38 @@ impl Tokenizer {
     pub fn load(dir: &Path) -> Result<Self> {
         let file = dir.join("tokenizer.json");
         if !file.is_file() {
-            return Err(Error::Tokenizer {
-                file,
-                message: "missing".into(),
-            });
+            return Err(Error::Tokenizer { file, message: "missing".into() });
         }
-        let inner = tokenizers::Tokenizer::from_file(&file).map_err(|e| Error::Tokenizer {
-            file: file.clone(),
-            message: format!("cannot load: {e}"),
-        })?;
+        let inner = tokenizers::Tokenizer::from_file(&file)
+            .map_err(|e| Error::Tokenizer { file: file.clone(), message: format!("cannot load: {e}") })?;
         let config_file = dir.join("tokenizer_config.json");
-        let config: Option<Value> = if config_file.is_file() {
-            let text =
-                std::fs::read_to_string(&config_file).map_err(|e| Error::io(&config_file, e))?;
-            Some(serde_json::from_str(&text).map_err(|e| Error::Tokenizer {
-                file: config_file.clone(),
-                message: format!("not valid JSON: {e}"),
-            })?)
-        } else {
-            None
-        };
+        let config: Option<Value> =
+            if config_file.is_file() {
+                let text = std::fs::read_to_string(&config_file).map_err(|e| Error::io(&config_file, e))?;
+                Some(serde_json::from_str(&text).map_err(|e| Error::Tokenizer {
+                    file: config_file.clone(),
+                    message: format!("not valid JSON: {e}"),
+                })?)
+            } else {
+                None
+            };
         let token_field = |name: &str| -> Option<String> {
             let v = config.as_ref()?.get(name)?;
-            v.as_str()
-                .map(str::to_string)
-                .or_else(|| v.get("content")?.as_str().map(str::to_string))
+            v.as_str().map(str::to_string).or_else(|| v.get("content")?.as_str().map(str::to_string))
         };
         let jinja = dir.join("chat_template.jinja");
         let chat_template = if jinja.is_file() {
             let source = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
-            Some(ChatTemplate {
-                source,
-                file: jinja,
-            })
+            Some(ChatTemplate { source, file: jinja })
         } else {
             match config.as_ref().and_then(|c| c.get("chat_template")) {
-                Some(Value::String(s)) => Some(ChatTemplate {
-                    source: s.clone(),
-                    file: config_file.clone(),
-                }),
+                Some(Value::String(s)) => Some(ChatTemplate { source: s.clone(), file: config_file.clone() }),
                 // A list of named templates: the one called "default".
                 Some(Value::Array(items)) => items
                     .iter()
                     .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
                     .and_then(|t| t.get("template")?.as_str())
-                    .map(|s| ChatTemplate {
-                        source: s.to_string(),
-                        file: config_file.clone(),
-                    }),
+                    .map(|s| ChatTemplate { source: s.to_string(), file: config_file.clone() }),
                 _ => None,
             }
         };
@@ -107,20 +91,13 @@ impl Tokenizer {
         })?;
         let mut env = minijinja::Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template("chat", &tpl.source)
-            .map_err(|e| Error::Tokenizer {
-                file: tpl.file.clone(),
-                message: format!("chat template does not parse: {e}"),
-            })?;
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template("chat", &tpl.source).map_err(|e| Error::Tokenizer {
+            file: tpl.file.clone(),
+            message: format!("chat template does not parse: {e}"),
+        })?;
         let ctx = minijinja::context! {
             messages => vec![minijinja::context! { role => "user", content => user }],
             add_generation_prompt => true,
@@ -129,28 +106,21 @@ impl Tokenizer {
         };
         env.get_template("chat")
             .and_then(|t| t.render(ctx))
-            .map_err(|e| Error::Tokenizer {
-                file: tpl.file.clone(),
-                message: format!("chat template failed: {e}"),
-            })
+            .map_err(|e| Error::Tokenizer { file: tpl.file.clone(), message: format!("chat template failed: {e}") })
     }
 
     fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
         let enc = self
             .inner
             .encode(text, add_special)
-            .map_err(|e| Error::Tokenizer {
-                file: self.file.clone(),
-                message: format!("encode failed: {e}"),
-            })?;
+            .map_err(|e| Error::Tokenizer { file: self.file.clone(), message: format!("encode failed: {e}") })?;
         Ok(enc.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, false).map_err(|e| Error::Tokenizer {
-            file: self.file.clone(),
-            message: format!("decode failed: {e}"),
-        })
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| Error::Tokenizer { file: self.file.clone(), message: format!("decode failed: {e}") })
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {

@@ -36,11 +36,7 @@ pub fn dtype_name(d: Dtype) -> &'static str {
 impl WeightStore {
     pub fn load(dir: &Path) -> Result<Self> {
         let files = shard_files(dir)?;
-        let mut store = WeightStore {
-            tensors: HashMap::new(),
-            files: files.clone(),
-            stored_bytes: 0,
-        };
+        let mut store = WeightStore { tensors: HashMap::new(), files: files.clone(), stored_bytes: 0 };
         for file in &files {
             store.load_file(file)?;
         }
@@ -71,16 +67,14 @@ impl WeightStore {
                     });
                 }
             };
-            let shape: Vec<i32> = view
-                .shape()
-                .iter()
-                .map(|&d| i32::try_from(d))
-                .collect::<std::result::Result<_, _>>()
-                .map_err(|_| Error::Tensor {
-                    file: file.to_path_buf(),
-                    tensor: name.clone(),
-                    message: "dimension too large".into(),
-                })?;
+            let shape: Vec<i32> =
+                view.shape().iter().map(|&d| i32::try_from(d)).collect::<std::result::Result<_, _>>().map_err(
+                    |_| Error::Tensor {
+                        file: file.to_path_buf(),
+                        tensor: name.clone(),
+                        message: "dimension too large".into(),
+                    },
+                )?;
             let data = view.data();
             // SAFETY: the safetensors crate checked that `data` holds exactly
             // product(shape) * size_of(dtype) bytes; MLX copies them.
@@ -89,10 +83,7 @@ impl WeightStore {
             } else {
                 unsafe { Array::from_raw_data(data.as_ptr().cast(), &shape, dtype) }
             };
-            if let Some((_, other)) = self
-                .tensors
-                .insert(name.clone(), (array, file.to_path_buf()))
-            {
+            if let Some((_, other)) = self.tensors.insert(name.clone(), (array, file.to_path_buf())) {
                 return Err(Error::Tensor {
                     file: file.to_path_buf(),
                     tensor: name,
@@ -118,11 +109,7 @@ impl WeightStore {
             tensor: name.to_string(),
             message: format!(
                 "missing from {} (expected shape {:?})",
-                self.files
-                    .iter()
-                    .map(|f| f.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                self.files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "),
                 expect.shape
             ),
         })?;
@@ -130,11 +117,7 @@ impl WeightStore {
             return Err(Error::Tensor {
                 file,
                 tensor: name.to_string(),
-                message: format!(
-                    "shape {:?}, expected {:?} from config.json",
-                    array.shape(),
-                    expect.shape
-                ),
+                message: format!("shape {:?}, expected {:?} from config.json", array.shape(), expect.shape),
             });
         }
         let dtype = array.dtype();
@@ -146,11 +129,7 @@ impl WeightStore {
             return Err(Error::Tensor {
                 file,
                 tensor: name.to_string(),
-                message: format!(
-                    "dtype {}, expected {}",
-                    dtype_name(dtype),
-                    expect.kind.describe()
-                ),
+                message: format!("dtype {}, expected {}", dtype_name(dtype), expect.kind.describe()),
             });
         }
         Ok(array)
@@ -163,12 +142,7 @@ impl WeightStore {
 
     /// Tensors no module asked for, minus ones every converter leaves behind harmlessly.
     pub fn leftovers(&self) -> Vec<String> {
-        let mut v: Vec<String> = self
-            .tensors
-            .keys()
-            .filter(|n| !n.ends_with("rotary_emb.inv_freq"))
-            .cloned()
-            .collect();
+        let mut v: Vec<String> = self.tensors.keys().filter(|n| !n.ends_with("rotary_emb.inv_freq")).cloned().collect();
         v.sort();
         v
     }
@@ -196,16 +170,10 @@ pub struct Expect {
 
 impl Expect {
     pub fn float(shape: &[usize]) -> Self {
-        Expect {
-            shape: shape.iter().map(|&d| d as i32).collect(),
-            kind: Kind::Float,
-        }
+        Expect { shape: shape.iter().map(|&d| d as i32).collect(), kind: Kind::Float }
     }
     pub fn packed(shape: &[usize]) -> Self {
-        Expect {
-            shape: shape.iter().map(|&d| d as i32).collect(),
-            kind: Kind::Packed,
-        }
+        Expect { shape: shape.iter().map(|&d| d as i32).collect(), kind: Kind::Packed }
     }
 }
 
@@ -215,17 +183,12 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let single = dir.join("model.safetensors");
     if index.is_file() {
         let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Weights {
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::Weights { file: index.clone(), message: format!("not valid JSON: {e}") })?;
+        let map = value.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Weights {
             file: index.clone(),
-            message: format!("not valid JSON: {e}"),
+            message: "field `weight_map`: missing or not an object".into(),
         })?;
-        let map = value
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| Error::Weights {
-                file: index.clone(),
-                message: "field `weight_map`: missing or not an object".into(),
-            })?;
         let mut files = BTreeMap::new();
         for (tensor, f) in map {
             let name = f.as_str().ok_or_else(|| Error::Weights {
@@ -240,19 +203,13 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
             if !path.is_file() {
                 return Err(Error::Weights {
                     file: index.clone(),
-                    message: format!(
-                        "lists shard `{name}`, which does not exist at {}",
-                        path.display()
-                    ),
+                    message: format!("lists shard `{name}`, which does not exist at {}", path.display()),
                 });
             }
             out.push(path);
         }
         if out.is_empty() {
-            return Err(Error::Weights {
-                file: index,
-                message: "field `weight_map` is empty".into(),
-            });
+            return Err(Error::Weights { file: index, message: "field `weight_map` is empty".into() });
         }
         Ok(out)
     } else if single.is_file() {
@@ -260,8 +217,7 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     } else {
         Err(Error::Weights {
             file: dir.to_path_buf(),
-            message: "no model.safetensors or model.safetensors.index.json in this directory"
-                .into(),
+            message: "no model.safetensors or model.safetensors.index.json in this directory".into(),
         })
     }
 }

@@ -60,22 +60,13 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let t = std::time::Instant::now();
     let model = Model::load(&dir, config, a.dtype.resolve(), a.dequantize)?;
     let load_secs = t.elapsed().as_secs_f64();
-    let opts = BenchOptions {
-        prompt_len: a.prompt_len,
-        decode: a.decode,
-        reps: a.reps,
-        block_size: a.block_size,
-    };
+    let opts = BenchOptions { prompt_len: a.prompt_len, decode: a.decode, reps: a.reps, block_size: a.block_size };
     println!(
         "{} | {} | dtype {}{} | device {} | prompt {} | decode {} | {} reps | load {:.2}s",
         dir.display(),
         crate::runtime::mlx_version(),
         model.dtype.name(),
-        if a.dequantize {
-            " (dequantized at load)"
-        } else {
-            ""
-        },
+        if a.dequantize { " (dequantized at load)" } else { "" },
         crate::runtime::device(),
         a.prompt_len,
         a.decode,
@@ -87,14 +78,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
 
     let mut mlx_lm = None;
     if let Some(p) = &a.mlx_lm {
-        let text =
-            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-        let v: serde_json::Value =
-            serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
-        if let Some(ours) = rows
-            .iter()
-            .find(|r| r.batch == 1 && r.backend == Backend::Dense)
-        {
+        let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
+        if let Some(ours) = rows.iter().find(|r| r.batch == 1 && r.backend == Backend::Dense) {
             let theirs = |k: &str| v[k]["median"].as_f64().unwrap_or(f64::NAN);
             let same = v["greedy_tokens"].as_array().map(|t| {
                 t.iter()
@@ -136,8 +122,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "rows": rows,
             "mlx_lm": mlx_lm,
         });
-        std::fs::write(p, serde_json::to_string_pretty(&out)?)
-            .with_context(|| format!("writing {}", p.display()))?;
+        std::fs::write(p, serde_json::to_string_pretty(&out)?).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(ExitCode::SUCCESS)
 }

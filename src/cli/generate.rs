@@ -43,22 +43,15 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let dir = checkpoint::resolve(&a.checkpoint, &cwd)?;
     let config = ModelConfig::load(&dir)?;
     let tokenizer = Tokenizer::load(&dir)?;
-    let prompt_ids = if a.chat {
-        tokenizer.encode_chat(&a.prompt)?
-    } else {
-        tokenizer.encode_raw(&a.prompt)?
-    };
+    let prompt_ids = if a.chat { tokenizer.encode_chat(&a.prompt)? } else { tokenizer.encode_raw(&a.prompt)? };
     let model = Model::load(&dir, config, a.dtype.resolve(), a.dequantize)
         .with_context(|| format!("loading {}", dir.display()))?;
     let mut kv: Box<dyn KvCache> = match a.kv {
         Backend::Dense => Box::new(DenseCache::new(model.kv_shape())),
         Backend::Paged => Box::new(PagedBlockPool::new(
             model.kv_shape(),
-            PoolOptions {
-                block_size: a.block_size,
-                ..PoolOptions::default()
-            },
-            model.faults,
+            PoolOptions { block_size: a.block_size, ..PoolOptions::default() },
+            crate::faults::Faults::NONE,
         )?),
     };
     let (_, trace) = engine::generate(&model, kv.as_mut(), &prompt_ids, a.max_tokens)?;

@@ -24,18 +24,12 @@ pub fn run(a: Args) -> Result<ExitCode> {
         c.intermediate_size,
         c.vocab_size
     );
-    println!(
-        "attention    {} heads, {} KV heads, head_dim {}",
-        c.num_heads, c.num_kv_heads, c.head_dim
-    );
+    println!("attention    {} heads, {} KV heads, head_dim {}", c.num_heads, c.num_kv_heads, c.head_dim);
     println!(
         "rope         theta {}, scaling {:?}, context {}",
         c.rope_theta, c.rope_scaling, c.max_position_embeddings
     );
-    let stored = weights
-        .dtype_of("model.norm.weight")
-        .map(dtype_name)
-        .unwrap_or("unknown");
+    let stored = weights.dtype_of("model.norm.weight").map(dtype_name).unwrap_or("unknown");
     println!("dtype        {stored} (stored float tensors)");
     match &c.quantization {
         Some(q) => println!(
@@ -58,25 +52,13 @@ pub fn run(a: Args) -> Result<ExitCode> {
         weights.files.len(),
         weights.stored_bytes as f64 / 1e6
     );
-    let tied = c
-        .tie_word_embeddings
-        .unwrap_or(!weights.contains("lm_head.weight"));
-    println!(
-        "embeddings   {}",
-        if tied {
-            "tied (output projection = embedding)"
-        } else {
-            "separate lm_head"
-        }
-    );
+    let tied = c.tie_word_embeddings.unwrap_or(!weights.contains("lm_head.weight"));
+    println!("embeddings   {}", if tied { "tied (output projection = embedding)" } else { "separate lm_head" });
     match Tokenizer::load(&dir) {
         Ok(t) => println!(
             "tokenizer    {} tokens, chat template: {}",
             t.vocab_size(),
-            t.chat_template
-                .as_ref()
-                .map(|ct| ct.file.display().to_string())
-                .unwrap_or_else(|| "none".into())
+            t.chat_template.as_ref().map(|ct| ct.file.display().to_string()).unwrap_or_else(|| "none".into())
         ),
         Err(e) => println!("tokenizer    unavailable: {e}"),
     }
@@ -86,11 +68,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
 /// Logical parameters: a packed uint32 holds 32/bits weights; scales and biases are overhead,
 /// not parameters.
 fn parameter_count(w: &WeightStore, c: &ModelConfig) -> u64 {
-    let bits = c
-        .quantization
-        .as_ref()
-        .map(|q| q.default.bits)
-        .unwrap_or(32) as u64;
+    let bits = c.quantization.as_ref().map(|q| q.default.bits).unwrap_or(32) as u64;
     w.names()
         .filter(|n| !n.ends_with(".scales") && !n.ends_with(".biases"))
         .map(|n| {

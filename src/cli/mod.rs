@@ -4,6 +4,7 @@
 mod bench;
 mod generate;
 mod inspect;
+mod merge;
 mod review;
 mod run;
 mod selftest;
@@ -19,11 +20,7 @@ pub const EXIT_USAGE: u8 = 2;
 pub const EXIT_SKIP: u8 = 125;
 
 #[derive(Parser)]
-#[command(
-    name = "parity",
-    version,
-    about = "Prove an MLX engine's paged KV-cache decode path matches its dense path"
-)]
+#[command(name = "parity", version, about = "Prove an MLX engine's paged KV-cache decode path matches its dense path")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -45,6 +42,8 @@ enum Command {
     Selftest(selftest::Args),
     /// Speed and KV memory of both decode paths (and mlx-lm, given its JSON).
     Bench(bench::Args),
+    /// Merge the JSON reports of a sharded run into one report.
+    Merge(merge::Args),
 }
 
 pub fn main() -> ExitCode {
@@ -63,6 +62,7 @@ pub fn main() -> ExitCode {
         Command::Accept(a) => review::accept(a),
         Command::Selftest(a) => selftest::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Merge(a) => merge::run(a),
     };
     match result {
         Ok(code) => code,

@@ -44,18 +44,9 @@ pub fn review(a: Args) -> Result<ExitCode> {
         let old = std::fs::read_to_string(&accepted).unwrap_or_default();
         let new = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
         let diff = similar::TextDiff::from_lines(&old, &new);
-        let title = if old.is_empty() {
-            "new snapshot"
-        } else {
-            "changed snapshot"
-        };
+        let title = if old.is_empty() { "new snapshot" } else { "changed snapshot" };
         println!("{title}: {}", accepted.display());
-        for hunk in diff
-            .unified_diff()
-            .context_radius(3)
-            .header("accepted", "pending")
-            .iter_hunks()
-        {
+        for hunk in diff.unified_diff().context_radius(3).header("accepted", "pending").iter_hunks() {
             for line in hunk.to_string().lines() {
                 let painted = match (color, line.chars().next()) {
                     (true, Some('+')) => format!("\x1b[32m{line}\x1b[0m"),
@@ -70,10 +61,7 @@ pub fn review(a: Args) -> Result<ExitCode> {
     println!(
         "{} pending; accept with `parity accept {}`",
         pending.len(),
-        a.target
-            .as_ref()
-            .map(|t| t.display().to_string())
-            .unwrap_or_default()
+        a.target.as_ref().map(|t| t.display().to_string()).unwrap_or_default()
     );
     // Pending changes are unaccepted: say so in the exit code, as `parity run` does.
     Ok(ExitCode::from(super::EXIT_FAIL))

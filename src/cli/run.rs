@@ -9,6 +9,7 @@ use clap::Args as ClapArgs;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::{EXIT_FAIL, EXIT_SKIP, EXIT_USAGE};
+use crate::faults::{Fault, Faults};
 use crate::kv::Backend;
 use crate::report::snapshot::{self, UpdateMode};
 use crate::report::{Report, Shard};
@@ -65,6 +66,17 @@ pub struct CommonArgs {
     /// Run shard I of N (1-based): split a suite across CI runners; merge with `parity merge`.
     #[arg(long, value_parser = parse_shard)]
     pub shard: Option<Shard>,
+    /// Plant a fault (repeatable; see `parity selftest`): shows what a caught regression
+    /// looks like. Off by default.
+    #[arg(long = "fault", value_parser = parse_fault)]
+    pub faults: Vec<Fault>,
+}
+
+pub fn parse_fault(s: &str) -> Result<Fault, String> {
+    Fault::parse(s).ok_or_else(|| {
+        let known: Vec<&str> = crate::faults::ALL.iter().map(|f| f.name()).collect();
+        format!("unknown fault `{s}`; known: {}", known.join(", "))
+    })
 }
 
 fn parse_scenario(s: &str) -> Result<Scenario, String> {
@@ -91,6 +103,7 @@ impl CommonArgs {
             scenarios: (!self.scenarios.is_empty()).then(|| self.scenarios.clone()),
             backends: (!self.backends.is_empty()).then(|| self.backends.clone()),
             shard: self.shard,
+            faults: self.faults.iter().fold(Faults::NONE, |acc, &f| acc.with(f)),
             ..RunOptions::default()
         }
     }
@@ -101,13 +114,17 @@ impl CommonArgs {
         self.filter.is_some() || !self.backends.is_empty()
     }
 
+    /// Planted faults change results by design; their runs never touch snapshots.
+    pub fn planted(&self) -> bool {
+        !self.faults.is_empty()
+    }
+
     /// Write the requested machine-readable reports.
     pub fn write_reports(&self, report: &Report) -> Result<()> {
         let write = |path: &Option<PathBuf>, content: String| -> Result<()> {
             if let Some(p) = path {
                 if let Some(parent) = p.parent().filter(|p| !p.as_os_str().is_empty()) {
-                    std::fs::create_dir_all(parent)
-                        .with_context(|| format!("creating {}", parent.display()))?;
+                    std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
                 }
                 std::fs::write(p, content).with_context(|| format!("writing {}", p.display()))?;
             }
@@ -128,25 +145,18 @@ pub struct Bars {
 
 impl Bars {
     pub fn new() -> Self {
-        let target = if std::io::stderr().is_terminal() {
-            ProgressDrawTarget::stderr()
-        } else {
-            ProgressDrawTarget::hidden()
-        };
-        Bars {
-            multi: MultiProgress::with_draw_target(target),
-            current: std::cell::RefCell::new(None),
-        }
+        let target =
+            if std::io::stderr().is_terminal() { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
+        Bars { multi: MultiProgress::with_draw_target(target), current: std::cell::RefCell::new(None) }
     }
 }
 
 impl Progress for Bars {
     fn checkpoint(&self, name: &str, units: usize) {
         let bar = self.multi.add(ProgressBar::new(units as u64));
-        let style =
-            ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos}/{len} {msg} ({elapsed})")
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> ");
+        let style = ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos}/{len} {msg} ({elapsed})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> ");
         bar.set_style(style);
         bar.set_prefix(name.to_string());
         *self.current.borrow_mut() = Some(bar);
@@ -173,16 +183,8 @@ pub fn reports_dir(suite_file: &Path, explicit: &Option<PathBuf>) -> PathBuf {
         return d.clone();
     }
     let dir = suite_file.parent().unwrap_or(Path::new("."));
-    let parent = if dir.as_os_str().is_empty() {
-        Path::new("..")
-    } else {
-        dir.parent().unwrap_or(Path::new("."))
-    };
-    let parent = if parent.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        parent
-    };
+    let parent = if dir.as_os_str().is_empty() { Path::new("..") } else { dir.parent().unwrap_or(Path::new(".")) };
+    let parent = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
     parent.join("reports")
 }
 
@@ -203,11 +205,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let mut report = run_suite(&suite, &opts, &Bars::new());
 
     let rendering = std::time::Instant::now();
-    if a.no_snapshots || a.common.partial_rows() {
-        if !a.no_snapshots {
-            eprintln!(
-                "note: snapshots not checked (--filter/--backend select part of a snapshot's rows)"
-            );
+    if a.no_snapshots || a.common.partial_rows() || a.common.planted() {
+        if !a.no_snapshots && !a.common.planted() {
+            eprintln!("note: snapshots not checked (--filter/--backend select part of a snapshot's rows)");
         }
     } else {
         let dir = snapshot::dir(&reports_dir(&a.suite, &a.reports), &report);
@@ -225,10 +225,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             a.suite.display()
         );
     }
-    eprintln!(
-        "report rendered in {:.2}s",
-        rendering.elapsed().as_secs_f64()
-    );
+    eprintln!("report rendered in {:.2}s", rendering.elapsed().as_secs_f64());
 
     let code = if a.bisect {
         if report.unjudgeable() {

@@ -8,7 +8,8 @@ use clap::Args as ClapArgs;
 
 use super::run::{Bars, CommonArgs};
 use super::{EXIT_FAIL, EXIT_USAGE};
-use crate::faults::{self, Fault};
+use crate::faults::Faults;
+use crate::run::RunOptions;
 use crate::selftest;
 
 #[derive(ClapArgs)]
@@ -16,19 +17,10 @@ pub struct Args {
     /// Suite to check (default: suites/fixtures.toml).
     #[arg(default_value = "suites/fixtures.toml")]
     pub suite: PathBuf,
-    /// Only these faults (repeatable; default: all).
-    #[arg(long = "fault", value_parser = parse_fault)]
-    pub faults: Vec<Fault>,
     /// Also write the clean run's reports (--json is the selftest table as JSON).
+    /// `--fault` (repeatable) limits the faults planted; default: all.
     #[command(flatten)]
     pub common: CommonArgs,
-}
-
-fn parse_fault(s: &str) -> Result<Fault, String> {
-    Fault::parse(s).ok_or_else(|| {
-        let known: Vec<&str> = faults::ALL.iter().map(|f| f.name()).collect();
-        format!("unknown fault `{s}`; known: {}", known.join(", "))
-    })
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
@@ -39,21 +31,15 @@ pub fn run(a: Args) -> Result<ExitCode> {
             return Ok(ExitCode::from(EXIT_USAGE));
         }
     };
-    let to_plant = if a.faults.is_empty() {
-        selftest::all_faults()
-    } else {
-        a.faults.clone()
-    };
-    let (report, clean) = selftest::selftest(&suite, &a.common.options(), &to_plant, &Bars::new());
+    let to_plant = if a.common.faults.is_empty() { selftest::all_faults() } else { a.common.faults.clone() };
+    let opts = RunOptions { faults: Faults::NONE, ..a.common.options() };
+    let (report, clean) = selftest::selftest(&suite, &opts, &to_plant, &Bars::new());
     print!("{}", selftest::render(&report));
     if let Some(path) = &a.common.json {
         let json = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
     }
-    let clean_reports = CommonArgs {
-        json: None,
-        ..a.common.clone()
-    };
+    let clean_reports = CommonArgs { json: None, ..a.common.clone() };
     clean_reports.write_reports(&clean)?;
     Ok(ExitCode::from(if report.ok() { 0 } else { EXIT_FAIL }))
 }

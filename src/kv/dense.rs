@@ -31,33 +31,19 @@ pub struct DenseCache {
 
 impl DenseCache {
     pub fn new(shape: KvShape) -> Self {
-        DenseCache {
-            shape,
-            seqs: BTreeMap::new(),
-            next_id: 0,
-            peak_bytes: 0,
-        }
+        DenseCache { shape, seqs: BTreeMap::new(), next_id: 0, peak_bytes: 0 }
     }
 
     fn seq(&self, seq: SeqId) -> Result<&Sequence> {
-        self.seqs
-            .get(&seq)
-            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+        self.seqs.get(&seq).ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
     }
 
     fn seq_mut(&mut self, seq: SeqId) -> Result<&mut Sequence> {
-        self.seqs
-            .get_mut(&seq)
-            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+        self.seqs.get_mut(&seq).ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
     }
 
     fn buffer(&self, rows: usize) -> Result<Array> {
-        let shape = [
-            1,
-            self.shape.kv_heads as i32,
-            rows as i32,
-            self.shape.head_dim as i32,
-        ];
+        let shape = [1, self.shape.kv_heads as i32, rows as i32, self.shape.head_dim as i32];
         Ok(mlx_rs::ops::zeros_dtype(&shape, self.shape.dtype.mlx())?)
     }
 }
@@ -70,15 +56,7 @@ impl KvCache for DenseCache {
     fn create(&mut self, masked_prefix: usize) -> Result<SeqId> {
         let id = SeqId(self.next_id);
         self.next_id += 1;
-        self.seqs.insert(
-            id,
-            Sequence {
-                len: 0,
-                masked_prefix,
-                capacity: 0,
-                layers: Vec::new(),
-            },
-        );
+        self.seqs.insert(id, Sequence { len: 0, masked_prefix, capacity: 0, layers: Vec::new() });
         Ok(id)
     }
 
@@ -120,27 +98,13 @@ impl KvCache for DenseCache {
         Ok(start)
     }
 
-    fn write(
-        &mut self,
-        layer: usize,
-        seq: SeqId,
-        start: usize,
-        k: &Array,
-        v: &Array,
-    ) -> Result<()> {
+    fn write(&mut self, layer: usize, seq: SeqId, start: usize, k: &Array, v: &Array) -> Result<()> {
         let n = check_kv_shape(k, v, self.shape.kv_heads, self.shape.head_dim)?;
         let s = self.seq_mut(seq)?;
         if start + n > s.len {
-            return Err(Error::Kv(format!(
-                "write of rows {start}..{} beyond reserved length {}",
-                start + n,
-                s.len
-            )));
+            return Err(Error::Kv(format!("write of rows {start}..{} beyond reserved length {}", start + n, s.len)));
         }
-        let (kb, vb) = s
-            .layers
-            .get_mut(layer)
-            .ok_or_else(|| Error::Kv(format!("layer {layer} out of range")))?;
+        let (kb, vb) = s.layers.get_mut(layer).ok_or_else(|| Error::Kv(format!("layer {layer} out of range")))?;
         let rows = start as i32..(start + n) as i32;
         kb.try_index_mut((.., .., rows.clone(), ..), k)?;
         vb.try_index_mut((.., .., rows, ..), v)?;
@@ -149,12 +113,10 @@ impl KvCache for DenseCache {
 
     fn read(&self, layer: usize, seq: SeqId) -> Result<(Array, Array)> {
         let s = self.seq(seq)?;
-        let (k, v) = s.layers.get(layer).ok_or_else(|| {
-            Error::Kv(format!(
-                "layer {layer} of sequence {} has no storage",
-                seq.0
-            ))
-        })?;
+        let (k, v) = s
+            .layers
+            .get(layer)
+            .ok_or_else(|| Error::Kv(format!("layer {layer} of sequence {} has no storage", seq.0)))?;
         let len = s.len as i32;
         Ok((k.index((.., .., 0..len, ..)), v.index((.., .., 0..len, ..))))
     }
@@ -162,20 +124,14 @@ impl KvCache for DenseCache {
     fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize> {
         let s = self.seq_mut(seq)?;
         if n > s.len {
-            return Err(Error::Kv(format!(
-                "cannot trim {n} rows from sequence {} of length {}",
-                seq.0, s.len
-            )));
+            return Err(Error::Kv(format!("cannot trim {n} rows from sequence {} of length {}", seq.0, s.len)));
         }
         s.len -= n;
         Ok(n)
     }
 
     fn release(&mut self, seq: SeqId) -> Result<()> {
-        self.seqs
-            .remove(&seq)
-            .map(|_| ())
-            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+        self.seqs.remove(&seq).map(|_| ()).ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
     }
 
     fn share_prefix(&mut self, donor: SeqId, _rows: usize) -> Result<Option<SeqId>> {

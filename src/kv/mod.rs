@@ -20,9 +20,7 @@ pub use paged::{PagedBlockPool, PoolOptions};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct SeqId(pub u32);
 
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
     Dense,
@@ -44,9 +42,7 @@ impl std::str::FromStr for Backend {
         match s {
             "dense" => Ok(Backend::Dense),
             "paged" => Ok(Backend::Paged),
-            other => Err(format!(
-                "unknown backend `{other}`; expected dense or paged"
-            )),
+            other => Err(format!("unknown backend `{other}`; expected dense or paged")),
         }
     }
 }
@@ -92,8 +88,7 @@ pub trait KvCache {
     fn reserve(&mut self, seq: SeqId, n: usize) -> Result<usize>;
 
     /// Write K/V (`[1, n_kv_heads, n, head_dim]`) for rows `start..start + n` of one layer.
-    fn write(&mut self, layer: usize, seq: SeqId, start: usize, k: &Array, v: &Array)
-    -> Result<()>;
+    fn write(&mut self, layer: usize, seq: SeqId, start: usize, k: &Array, v: &Array) -> Result<()>;
 
     /// The visible K/V of one layer, contiguous: `[1, n_kv_heads, len, head_dim]` each.
     fn read(&self, layer: usize, seq: SeqId) -> Result<(Array, Array)>;
@@ -118,12 +113,7 @@ pub trait KvCache {
 /// K/V `[1, H, n, D]` shape check shared by both backends.
 pub(crate) fn check_kv_shape(k: &Array, v: &Array, heads: usize, head_dim: usize) -> Result<usize> {
     let ks = k.shape();
-    if ks.len() != 4
-        || ks[0] != 1
-        || ks[1] as usize != heads
-        || ks[3] as usize != head_dim
-        || v.shape() != ks
-    {
+    if ks.len() != 4 || ks[0] != 1 || ks[1] as usize != heads || ks[3] as usize != head_dim || v.shape() != ks {
         return Err(crate::Error::Kv(format!(
             "K/V of shape {:?}/{:?}, expected [1, {heads}, n, {head_dim}]",
             ks,

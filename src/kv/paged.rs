@@ -30,12 +30,7 @@ pub struct PoolOptions {
 
 impl Default for PoolOptions {
     fn default() -> Self {
-        PoolOptions {
-            block_size: 32,
-            slab_blocks: 64,
-            max_blocks: None,
-            poison: false,
-        }
+        PoolOptions { block_size: 32, slab_blocks: 64, max_blocks: None, poison: false }
     }
 }
 
@@ -63,9 +58,7 @@ pub struct PagedBlockPool {
 impl PagedBlockPool {
     pub fn new(shape: KvShape, opts: PoolOptions, faults: Faults) -> Result<Self> {
         if opts.block_size == 0 || opts.slab_blocks == 0 {
-            return Err(Error::Invalid(
-                "block_size and slab_blocks must be positive".into(),
-            ));
+            return Err(Error::Invalid("block_size and slab_blocks must be positive".into()));
         }
         Ok(PagedBlockPool {
             slabs: vec![Vec::new(); shape.layers],
@@ -93,15 +86,11 @@ impl PagedBlockPool {
     }
 
     fn seq(&self, seq: SeqId) -> Result<&PagedSeq> {
-        self.seqs
-            .get(&seq)
-            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+        self.seqs.get(&seq).ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
     }
 
     fn seq_mut(&mut self, seq: SeqId) -> Result<&mut PagedSeq> {
-        self.seqs
-            .get_mut(&seq)
-            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+        self.seqs.get_mut(&seq).ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
     }
 
     fn total_blocks(&self) -> usize {
@@ -109,15 +98,9 @@ impl PagedBlockPool {
     }
 
     fn fill(&self, rows: usize, nan: bool) -> Result<Array> {
-        let shape = [
-            1,
-            rows as i32,
-            self.shape.kv_heads as i32,
-            self.shape.head_dim as i32,
-        ];
+        let shape = [1, rows as i32, self.shape.kv_heads as i32, self.shape.head_dim as i32];
         let value = if nan { f32::NAN } else { 0.0 };
-        Ok(mlx_rs::ops::full::<f32>(&shape, &Array::from_f32(value))?
-            .as_dtype(self.shape.dtype.mlx())?)
+        Ok(mlx_rs::ops::full::<f32>(&shape, &Array::from_f32(value))?.as_dtype(self.shape.dtype.mlx())?)
     }
 
     /// Blocks that can still be handed out (free plus room under the budget).
@@ -131,24 +114,15 @@ impl PagedBlockPool {
 
     fn grow(&mut self) -> Result<()> {
         let count = match self.opts.max_blocks {
-            Some(max) => self
-                .opts
-                .slab_blocks
-                .min(max.saturating_sub(self.total_blocks())),
+            Some(max) => self.opts.slab_blocks.min(max.saturating_sub(self.total_blocks())),
             None => self.opts.slab_blocks,
         };
         if count == 0 {
             return Err(self.exhausted(1));
         }
-        let shape = [
-            count as i32,
-            self.opts.block_size as i32,
-            self.shape.kv_heads as i32,
-            self.shape.head_dim as i32,
-        ];
+        let shape = [count as i32, self.opts.block_size as i32, self.shape.kv_heads as i32, self.shape.head_dim as i32];
         let value = if self.opts.poison { f32::NAN } else { 0.0 };
-        let slab = mlx_rs::ops::full::<f32>(&shape, &Array::from_f32(value))?
-            .as_dtype(self.shape.dtype.mlx())?;
+        let slab = mlx_rs::ops::full::<f32>(&shape, &Array::from_f32(value))?.as_dtype(self.shape.dtype.mlx())?;
         for layer in &mut self.slabs {
             layer.push((slab.clone(), slab.clone()));
         }
@@ -191,10 +165,7 @@ impl PagedBlockPool {
     }
 
     fn slot(&self, block: usize) -> (usize, i32) {
-        (
-            block / self.opts.slab_blocks,
-            (block % self.opts.slab_blocks) as i32,
-        )
+        (block / self.opts.slab_blocks, (block % self.opts.slab_blocks) as i32)
     }
 
     /// Overwrite rows `from..to` of `block` in every layer with NaN (or zeros).
@@ -233,14 +204,7 @@ impl KvCache for PagedBlockPool {
     fn create(&mut self, masked_prefix: usize) -> Result<SeqId> {
         let id = SeqId(self.next_id);
         self.next_id += 1;
-        self.seqs.insert(
-            id,
-            PagedSeq {
-                len: 0,
-                masked_prefix,
-                table: Vec::new(),
-            },
-        );
+        self.seqs.insert(id, PagedSeq { len: 0, masked_prefix, table: Vec::new() });
         Ok(id)
     }
 
@@ -260,8 +224,7 @@ impl KvCache for PagedBlockPool {
         };
         let want = (start + n).div_ceil(bs);
         // The block that row `start` lands in, if it is already in the table and shared.
-        let partial =
-            (start % bs != 0 && start / bs < have).then(|| self.seqs[&seq].table[start / bs]);
+        let partial = (start % bs != 0 && start / bs < have).then(|| self.seqs[&seq].table[start / bs]);
         let cow = partial.filter(|&b| self.refcount[b] > 1 && !self.faults.has(Fault::CowSkipped));
         let new_blocks = want.saturating_sub(have) + usize::from(cow.is_some());
         // Check before allocating anything, so an exhausted pool leaves the sequence intact.
@@ -283,14 +246,7 @@ impl KvCache for PagedBlockPool {
         Ok(start)
     }
 
-    fn write(
-        &mut self,
-        layer: usize,
-        seq: SeqId,
-        start: usize,
-        k: &Array,
-        v: &Array,
-    ) -> Result<()> {
+    fn write(&mut self, layer: usize, seq: SeqId, start: usize, k: &Array, v: &Array) -> Result<()> {
         let n = check_kv_shape(k, v, self.shape.kv_heads, self.shape.head_dim)?;
         if layer >= self.shape.layers {
             return Err(Error::Kv(format!("layer {layer} out of range")));
@@ -298,11 +254,7 @@ impl KvCache for PagedBlockPool {
         let bs = self.opts.block_size;
         let s = self.seq(seq)?;
         if start + n > s.len {
-            return Err(Error::Kv(format!(
-                "write of rows {start}..{} beyond reserved length {}",
-                start + n,
-                s.len
-            )));
+            return Err(Error::Kv(format!("write of rows {start}..{} beyond reserved length {}", start + n, s.len)));
         }
         // [1, H, n, D] -> [1, n, H, D], the slab's row layout.
         let k = k.transpose_axes(&[0, 2, 1, 3])?;
@@ -370,10 +322,7 @@ impl KvCache for PagedBlockPool {
         let bs = self.opts.block_size;
         let len = self.seq(seq)?.len;
         if n > len {
-            return Err(Error::Kv(format!(
-                "cannot trim {n} rows from sequence {} of length {len}",
-                seq.0
-            )));
+            return Err(Error::Kv(format!("cannot trim {n} rows from sequence {} of length {len}", seq.0)));
         }
         if self.faults.has(Fault::PagedTrimNoop) {
             return Ok(0);
@@ -399,10 +348,7 @@ impl KvCache for PagedBlockPool {
     }
 
     fn release(&mut self, seq: SeqId) -> Result<()> {
-        let s = self
-            .seqs
-            .remove(&seq)
-            .ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))?;
+        let s = self.seqs.remove(&seq).ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))?;
         for b in s.table.into_iter().rev() {
             self.unref(b)?;
         }
@@ -413,10 +359,7 @@ impl KvCache for PagedBlockPool {
         let bs = self.opts.block_size;
         let d = self.seq(donor)?;
         if rows > d.len {
-            return Err(Error::Kv(format!(
-                "cannot share {rows} rows of sequence {} of length {}",
-                donor.0, d.len
-            )));
+            return Err(Error::Kv(format!("cannot share {rows} rows of sequence {} of length {}", donor.0, d.len)));
         }
         let table: Vec<usize> = d.table[..rows.div_ceil(bs)].to_vec();
         let masked_prefix = d.masked_prefix.min(rows);
@@ -425,14 +368,7 @@ impl KvCache for PagedBlockPool {
         }
         let id = SeqId(self.next_id);
         self.next_id += 1;
-        self.seqs.insert(
-            id,
-            PagedSeq {
-                len: rows,
-                masked_prefix,
-                table,
-            },
-        );
+        self.seqs.insert(id, PagedSeq { len: rows, masked_prefix, table });
         Ok(Some(id))
     }
 
@@ -452,10 +388,7 @@ impl KvCache for PagedBlockPool {
     }
 
     fn locate(&self, _seq: SeqId, row: usize) -> Option<RowLocation> {
-        Some(RowLocation {
-            block_index: row / self.opts.block_size,
-            offset_in_block: row % self.opts.block_size,
-        })
+        Some(RowLocation { block_index: row / self.opts.block_size, offset_in_block: row % self.opts.block_size })
     }
 }
 
@@ -467,12 +400,7 @@ mod tests {
     use crate::dtype::DtypeName;
     use crate::kv::DenseCache;
 
-    const SHAPE: KvShape = KvShape {
-        layers: 2,
-        kv_heads: 2,
-        head_dim: 4,
-        dtype: DtypeName::Float32,
-    };
+    const SHAPE: KvShape = KvShape { layers: 2, kv_heads: 2, head_dim: 4, dtype: DtypeName::Float32 };
 
     /// Distinct, recognisable rows: value = seed * 1000 + row * 10 + element.
     fn rows(seed: usize, first_row: usize, n: usize) -> Array {
@@ -496,12 +424,7 @@ mod tests {
     }
 
     fn pool(block_size: usize, poison: bool) -> PagedBlockPool {
-        let opts = PoolOptions {
-            block_size,
-            slab_blocks: 3,
-            max_blocks: None,
-            poison,
-        };
+        let opts = PoolOptions { block_size, slab_blocks: 3, max_blocks: None, poison };
         PagedBlockPool::new(SHAPE, opts, Faults::NONE).expect("pool")
     }
 
@@ -518,11 +441,7 @@ mod tests {
     }
 
     fn assert_same(dense: &DenseCache, d: SeqId, paged: &PagedBlockPool, p: SeqId, what: &str) {
-        assert_eq!(
-            dense.len(d).unwrap(),
-            paged.len(p).unwrap(),
-            "{what}: lengths"
-        );
+        assert_eq!(dense.len(d).unwrap(), paged.len(p).unwrap(), "{what}: lengths");
         for layer in 0..SHAPE.layers {
             let (dk, dv) = dense.read(layer, d).unwrap();
             let (pk, pv) = paged.read(layer, p).unwrap();
@@ -568,30 +487,13 @@ mod tests {
             let (d, p) = (dense.create(0).unwrap(), paged.create(0).unwrap());
             append(&mut [&mut dense, &mut paged], &[d, p], 1, 13);
             assert_eq!(dense.trim(d, trim).unwrap(), trim);
-            assert_eq!(
-                paged.trim(p, trim).unwrap(),
-                trim,
-                "a trim returns what it removed"
-            );
+            assert_eq!(paged.trim(p, trim).unwrap(), trim, "a trim returns what it removed");
             assert_same(&dense, d, &paged, p, &format!("after trim {trim}"));
-            assert_eq!(
-                paged.block_table(p).unwrap().len(),
-                (13 - trim).div_ceil(bs),
-                "empty blocks freed"
-            );
+            assert_eq!(paged.block_table(p).unwrap().len(), (13 - trim).div_ceil(bs), "empty blocks freed");
             append(&mut [&mut dense, &mut paged], &[d, p], 7, 6);
-            assert_same(
-                &dense,
-                d,
-                &paged,
-                p,
-                &format!("continued after trim {trim}"),
-            );
+            assert_same(&dense, d, &paged, p, &format!("continued after trim {trim}"));
             let (k, _) = paged.read(0, p).unwrap();
-            assert!(
-                host(&k).iter().all(|x| x.is_finite()),
-                "no poisoned row visible after trim {trim}"
-            );
+            assert!(host(&k).iter().all(|x| x.is_finite()), "no poisoned row visible after trim {trim}");
         }
     }
 
@@ -618,18 +520,10 @@ mod tests {
         let (b, d) = (paged.create(0).unwrap(), dense.create(0).unwrap());
         append(&mut [&mut paged, &mut dense], &[b, d], 2, 6);
         let reused = paged.block_table(b).unwrap();
-        assert!(
-            reused.iter().all(|blk| a_blocks.contains(blk)),
-            "freed blocks are reused first"
-        );
+        assert!(reused.iter().all(|blk| a_blocks.contains(blk)), "freed blocks are reused first");
         assert_same(&dense, d, &paged, b, "reused blocks");
         let (k, v) = paged.read(1, b).unwrap();
-        assert!(
-            host(&k)
-                .iter()
-                .chain(host(&v).iter())
-                .all(|x| x.is_finite())
-        );
+        assert!(host(&k).iter().chain(host(&v).iter()).all(|x| x.is_finite()));
     }
 
     #[test]
@@ -643,31 +537,20 @@ mod tests {
         // Share 6 rows: ends mid-block (row 6 is in the second block).
         let child = paged.share_prefix(donor, 6).unwrap().expect("paged shares");
         assert_eq!(paged.len(child).unwrap(), 6);
-        assert_eq!(
-            paged.block_table(child).unwrap(),
-            &paged.block_table(donor).unwrap()[..2]
-        );
+        assert_eq!(paged.block_table(child).unwrap(), &paged.block_table(donor).unwrap()[..2]);
         assert_eq!(paged.blocks_in_use(), 3, "sharing allocates nothing");
         // Reference: the same 6 rows then the child's own continuation.
         let d = dense.create(0).unwrap();
         append(&mut [&mut dense], &[d], 1, 6);
         append(&mut [&mut paged, &mut dense], &[child, d], 9, 3);
         assert_same(&dense, d, &paged, child, "child after copy-on-write");
-        assert_ne!(
-            paged.block_table(child).unwrap()[1],
-            paged.block_table(donor).unwrap()[1],
-            "shared block copied"
-        );
+        assert_ne!(paged.block_table(child).unwrap()[1], paged.block_table(donor).unwrap()[1], "shared block copied");
         assert_eq!(
             paged.block_table(child).unwrap()[0],
             paged.block_table(donor).unwrap()[0],
             "full block still shared"
         );
-        assert_eq!(
-            host(&paged.read(0, donor).unwrap().0),
-            before,
-            "donor untouched by the child's write"
-        );
+        assert_eq!(host(&paged.read(0, donor).unwrap().0), before, "donor untouched by the child's write");
         // Releasing the donor keeps the still-shared first block alive for the child.
         paged.release(donor).unwrap();
         assert_same(&dense, d, &paged, child, "child after donor released");
@@ -675,21 +558,12 @@ mod tests {
 
     #[test]
     fn pool_budget_exhaustion_is_an_error_and_leaves_the_sequence_intact() {
-        let opts = PoolOptions {
-            block_size: 4,
-            slab_blocks: 2,
-            max_blocks: Some(3),
-            poison: false,
-        };
+        let opts = PoolOptions { block_size: 4, slab_blocks: 2, max_blocks: Some(3), poison: false };
         let mut paged = PagedBlockPool::new(SHAPE, opts, Faults::NONE).unwrap();
         let s = paged.create(0).unwrap();
         paged.reserve(s, 12).unwrap();
         match paged.reserve(s, 1) {
-            Err(Error::PoolExhausted {
-                needed: 1,
-                budget: 3,
-                ..
-            }) => {}
+            Err(Error::PoolExhausted { needed: 1, budget: 3, .. }) => {}
             other => panic!("expected PoolExhausted, got {other:?}"),
         }
         assert_eq!(paged.len(s).unwrap(), 12);

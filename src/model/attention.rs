@@ -39,66 +39,22 @@ pub struct StepContext<'a> {
 }
 
 impl Attention {
-    pub fn load(
-        w: &mut WeightStore,
-        c: &ModelConfig,
-        path: &str,
-        qk_norm: bool,
-        opts: &LoadOptions,
-    ) -> Result<Self> {
+    pub fn load(w: &mut WeightStore, c: &ModelConfig, path: &str, qk_norm: bool, opts: &LoadOptions) -> Result<Self> {
         let q = c.quantization.as_ref();
         let (h, kvh, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
         let bias = c.attention_bias;
         let norm = |w: &mut WeightStore, name: &str| -> Result<Option<RmsNorm>> {
             if qk_norm {
-                Ok(Some(RmsNorm::load(
-                    w,
-                    &format!("{path}.{name}"),
-                    d,
-                    c.rms_norm_eps,
-                    opts,
-                )?))
+                Ok(Some(RmsNorm::load(w, &format!("{path}.{name}"), d, c.rms_norm_eps, opts)?))
             } else {
                 Ok(None)
             }
         };
         Ok(Attention {
-            q_proj: Linear::load(
-                w,
-                q,
-                &format!("{path}.q_proj"),
-                c.hidden_size,
-                h * d,
-                bias,
-                opts,
-            )?,
-            k_proj: Linear::load(
-                w,
-                q,
-                &format!("{path}.k_proj"),
-                c.hidden_size,
-                kvh * d,
-                bias,
-                opts,
-            )?,
-            v_proj: Linear::load(
-                w,
-                q,
-                &format!("{path}.v_proj"),
-                c.hidden_size,
-                kvh * d,
-                bias,
-                opts,
-            )?,
-            o_proj: Linear::load(
-                w,
-                q,
-                &format!("{path}.o_proj"),
-                h * d,
-                c.hidden_size,
-                bias,
-                opts,
-            )?,
+            q_proj: Linear::load(w, q, &format!("{path}.q_proj"), c.hidden_size, h * d, bias, opts)?,
+            k_proj: Linear::load(w, q, &format!("{path}.k_proj"), c.hidden_size, kvh * d, bias, opts)?,
+            v_proj: Linear::load(w, q, &format!("{path}.v_proj"), c.hidden_size, kvh * d, bias, opts)?,
+            o_proj: Linear::load(w, q, &format!("{path}.o_proj"), h * d, c.hidden_size, bias, opts)?,
             q_norm: norm(w, "q_norm")?,
             k_norm: norm(w, "k_norm")?,
             heads: h as i32,
@@ -109,13 +65,7 @@ impl Attention {
     }
 
     /// `x`: `[B, T, hidden]` (normed) -> `[B, T, hidden]`.
-    pub fn forward(
-        &self,
-        x: &Array,
-        layer: usize,
-        kv: &mut dyn KvCache,
-        ctx: &StepContext,
-    ) -> Result<Array> {
+    pub fn forward(&self, x: &Array, layer: usize, kv: &mut dyn KvCache, ctx: &StepContext) -> Result<Array> {
         let (b, t) = (x.shape()[0], x.shape()[1]);
         let split = |y: Array, heads: i32, norm: &Option<RmsNorm>| -> Result<Array> {
             let y = y.reshape(&[b, t, heads, self.head_dim])?;
@@ -132,10 +82,7 @@ impl Attention {
         let offsets = rope_offsets(kv, ctx)?;
         let aliased = ctx.faults.has(Fault::RopeBatchAlias) && b > 1 && t == 1;
         let (q, k) = if aliased {
-            (
-                ctx.rope.apply_batch_aliased(&q, offsets[0])?,
-                ctx.rope.apply_batch_aliased(&k, offsets[0])?,
-            )
+            (ctx.rope.apply_batch_aliased(&q, offsets[0])?, ctx.rope.apply_batch_aliased(&k, offsets[0])?)
         } else {
             (q, k)
         };
@@ -143,10 +90,7 @@ impl Attention {
         let mut outs = Vec::with_capacity(b as usize);
         for (i, row) in ctx.rows.iter().enumerate() {
             let r = i as i32;
-            let (mut qr, mut kr) = (
-                q.index((r..r + 1, .., .., ..)),
-                k.index((r..r + 1, .., .., ..)),
-            );
+            let (mut qr, mut kr) = (q.index((r..r + 1, .., .., ..)), k.index((r..r + 1, .., .., ..)));
             if !aliased {
                 qr = ctx.rope.apply(&qr, offsets[i])?;
                 kr = ctx.rope.apply(&kr, offsets[i])?;
@@ -157,9 +101,7 @@ impl Attention {
             let masked = kv.masked_prefix(row.seq)?;
             let out = if masked > 0 && !ctx.faults.has(Fault::PadUnmasked) {
                 let mask = prefix_mask(ctx.starts[i], t as usize, keys.shape()[2] as usize, masked);
-                mlx_rs::fast::scaled_dot_product_attention(
-                    &qr, &keys, &values, self.scale, &mask, None,
-                )?
+                mlx_rs::fast::scaled_dot_product_attention(&qr, &keys, &values, self.scale, &mask, None)?
             } else if t > 1 {
                 // Causal, aligned to the bottom right: query j sits at row start + j.
                 mlx_rs::fast::scaled_dot_product_attention(
@@ -171,16 +113,12 @@ impl Attention {
                     None,
                 )?
             } else {
-                mlx_rs::fast::scaled_dot_product_attention(
-                    &qr, &keys, &values, self.scale, None, None,
-                )?
+                mlx_rs::fast::scaled_dot_product_attention(&qr, &keys, &values, self.scale, None, None)?
             };
             outs.push(out);
         }
         let out = mlx_rs::ops::concatenate(&outs, 0)?; // [B, H, T, D]
-        let out =
-            out.transpose_axes(&[0, 2, 1, 3])?
-                .reshape(&[b, t, self.heads * self.head_dim])?;
+        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, t, self.heads * self.head_dim])?;
         self.o_proj.forward(&out)
     }
 }

@@ -25,17 +25,8 @@ pub(crate) fn cast(a: Array, opts: &LoadOptions) -> Result<Array> {
 }
 
 pub enum Linear {
-    Dense {
-        weight: Array,
-        bias: Option<Array>,
-    },
-    Quantized {
-        weight: Array,
-        scales: Array,
-        biases: Array,
-        bias: Option<Array>,
-        spec: QuantSpec,
-    },
+    Dense { weight: Array, bias: Option<Array> },
+    Quantized { weight: Array, scales: Array, biases: Array, bias: Option<Array>, spec: QuantSpec },
 }
 
 impl Linear {
@@ -50,43 +41,20 @@ impl Linear {
         has_bias: bool,
         opts: &LoadOptions,
     ) -> Result<Self> {
-        let bias = if has_bias {
-            Some(cast(
-                w.take(&format!("{path}.bias"), Expect::float(&[output]))?,
-                opts,
-            )?)
-        } else {
-            None
-        };
+        let bias =
+            if has_bias { Some(cast(w.take(&format!("{path}.bias"), Expect::float(&[output]))?, opts)?) } else { None };
         match quantized_spec(w, quant, path) {
             Some(spec) => {
                 let (weight, scales, biases) = load_packed(w, path, input, output, spec, opts)?;
                 if opts.dequantize {
-                    let dense = mlx_rs::ops::dequantize(
-                        &weight,
-                        &scales,
-                        &biases,
-                        spec.group_size as i32,
-                        spec.bits as i32,
-                    )?;
-                    return Ok(Linear::Dense {
-                        weight: dense,
-                        bias,
-                    });
+                    let dense =
+                        mlx_rs::ops::dequantize(&weight, &scales, &biases, spec.group_size as i32, spec.bits as i32)?;
+                    return Ok(Linear::Dense { weight: dense, bias });
                 }
-                Ok(Linear::Quantized {
-                    weight,
-                    scales,
-                    biases,
-                    bias,
-                    spec,
-                })
+                Ok(Linear::Quantized { weight, scales, biases, bias, spec })
             }
             None => {
-                let weight = cast(
-                    w.take(&format!("{path}.weight"), Expect::float(&[output, input]))?,
-                    opts,
-                )?;
+                let weight = cast(w.take(&format!("{path}.weight"), Expect::float(&[output, input]))?, opts)?;
                 Ok(Linear::Dense { weight, bias })
             }
         }
@@ -95,13 +63,7 @@ impl Linear {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = match self {
             Linear::Dense { weight, .. } => x.matmul(weight.t())?,
-            Linear::Quantized {
-                weight,
-                scales,
-                biases,
-                spec,
-                ..
-            } => mlx_rs::ops::quantized_matmul(
+            Linear::Quantized { weight, scales, biases, spec, .. } => mlx_rs::ops::quantized_matmul(
                 x,
                 weight,
                 scales,
@@ -141,31 +103,15 @@ fn load_packed(
 ) -> Result<(Array, Array, Array)> {
     let packed_cols = input * spec.bits / 32;
     let groups = input / spec.group_size.max(1);
-    let weight = w.take(
-        &format!("{path}.weight"),
-        Expect::packed(&[output, packed_cols]),
-    )?;
-    let scales = cast(
-        w.take(&format!("{path}.scales"), Expect::float(&[output, groups]))?,
-        opts,
-    )?;
-    let biases = cast(
-        w.take(&format!("{path}.biases"), Expect::float(&[output, groups]))?,
-        opts,
-    )?;
+    let weight = w.take(&format!("{path}.weight"), Expect::packed(&[output, packed_cols]))?;
+    let scales = cast(w.take(&format!("{path}.scales"), Expect::float(&[output, groups]))?, opts)?;
+    let biases = cast(w.take(&format!("{path}.biases"), Expect::float(&[output, groups]))?, opts)?;
     Ok((weight, scales, biases))
 }
 
 pub enum Embedding {
-    Dense {
-        weight: Array,
-    },
-    Quantized {
-        weight: Array,
-        scales: Array,
-        biases: Array,
-        spec: QuantSpec,
-    },
+    Dense { weight: Array },
+    Quantized { weight: Array, scales: Array, biases: Array, spec: QuantSpec },
 }
 
 impl Embedding {
@@ -180,18 +126,10 @@ impl Embedding {
         match quantized_spec(w, quant, path) {
             Some(spec) => {
                 let (weight, scales, biases) = load_packed(w, path, hidden, vocab, spec, opts)?;
-                Ok(Embedding::Quantized {
-                    weight,
-                    scales,
-                    biases,
-                    spec,
-                })
+                Ok(Embedding::Quantized { weight, scales, biases, spec })
             }
             None => Ok(Embedding::Dense {
-                weight: cast(
-                    w.take(&format!("{path}.weight"), Expect::float(&[vocab, hidden]))?,
-                    opts,
-                )?,
+                weight: cast(w.take(&format!("{path}.weight"), Expect::float(&[vocab, hidden]))?, opts)?,
             }),
         }
     }
@@ -200,22 +138,11 @@ impl Embedding {
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         match self {
             Embedding::Dense { weight } => Ok(weight.take_axis(ids, 0)?),
-            Embedding::Quantized {
-                weight,
-                scales,
-                biases,
-                spec,
-            } => {
+            Embedding::Quantized { weight, scales, biases, spec } => {
                 let w = weight.take_axis(ids, 0)?;
                 let s = scales.take_axis(ids, 0)?;
                 let b = biases.take_axis(ids, 0)?;
-                Ok(mlx_rs::ops::dequantize(
-                    &w,
-                    &s,
-                    &b,
-                    spec.group_size as i32,
-                    spec.bits as i32,
-                )?)
+                Ok(mlx_rs::ops::dequantize(&w, &s, &b, spec.group_size as i32, spec.bits as i32)?)
             }
         }
     }
@@ -224,12 +151,7 @@ impl Embedding {
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
             Embedding::Dense { weight } => Ok(x.matmul(weight.t())?),
-            Embedding::Quantized {
-                weight,
-                scales,
-                biases,
-                spec,
-            } => Ok(mlx_rs::ops::quantized_matmul(
+            Embedding::Quantized { weight, scales, biases, spec } => Ok(mlx_rs::ops::quantized_matmul(
                 x,
                 weight,
                 scales,
@@ -248,20 +170,8 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn load(
-        w: &mut WeightStore,
-        path: &str,
-        dim: usize,
-        eps: f32,
-        opts: &LoadOptions,
-    ) -> Result<Self> {
-        Ok(RmsNorm {
-            weight: cast(
-                w.take(&format!("{path}.weight"), Expect::float(&[dim]))?,
-                opts,
-            )?,
-            eps,
-        })
+    pub fn load(w: &mut WeightStore, path: &str, dim: usize, eps: f32, opts: &LoadOptions) -> Result<Self> {
+        Ok(RmsNorm { weight: cast(w.take(&format!("{path}.weight"), Expect::float(&[dim]))?, opts)?, eps })
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
@@ -287,33 +197,9 @@ impl Mlp {
         opts: &LoadOptions,
     ) -> Result<Self> {
         Ok(Mlp {
-            gate: Linear::load(
-                w,
-                quant,
-                &format!("{path}.gate_proj"),
-                hidden,
-                intermediate,
-                bias,
-                opts,
-            )?,
-            up: Linear::load(
-                w,
-                quant,
-                &format!("{path}.up_proj"),
-                hidden,
-                intermediate,
-                bias,
-                opts,
-            )?,
-            down: Linear::load(
-                w,
-                quant,
-                &format!("{path}.down_proj"),
-                intermediate,
-                hidden,
-                bias,
-                opts,
-            )?,
+            gate: Linear::load(w, quant, &format!("{path}.gate_proj"), hidden, intermediate, bias, opts)?,
+            up: Linear::load(w, quant, &format!("{path}.up_proj"), hidden, intermediate, bias, opts)?,
+            down: Linear::load(w, quant, &format!("{path}.down_proj"), intermediate, hidden, bias, opts)?,
         })
     }
 

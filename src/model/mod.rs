@@ -47,7 +47,8 @@ pub struct Model {
     /// `None`: tied to the embedding.
     lm_head: Option<Linear>,
     rope: Rope,
-    pub faults: Faults,
+    /// Planted faults (see `faults`); a runtime setting, none by default.
+    faults: std::cell::Cell<Faults>,
 }
 
 /// One row of a forward step: a sequence and the tokens to append to it. Rows in one step
@@ -63,23 +64,14 @@ pub struct RowStep {
 impl RowStep {
     pub fn new(seq: SeqId, tokens: Vec<u32>) -> Self {
         let logits_at = tokens.len().saturating_sub(1);
-        RowStep {
-            seq,
-            tokens,
-            logits_at,
-        }
+        RowStep { seq, tokens, logits_at }
     }
 }
 
 impl Model {
     /// Load a checkpoint directory's weights for `config`. `dtype` of `None` keeps the stored
     /// float dtype ("native").
-    pub fn load(
-        dir: &Path,
-        config: ModelConfig,
-        dtype: Option<DtypeName>,
-        dequantize: bool,
-    ) -> Result<Self> {
+    pub fn load(dir: &Path, config: ModelConfig, dtype: Option<DtypeName>, dequantize: bool) -> Result<Self> {
         let mut weights = WeightStore::load(dir)?;
         Self::from_weights(&mut weights, config, dtype, dequantize)
     }
@@ -94,36 +86,17 @@ impl Model {
             Arch::Llama => llama::SPEC,
             Arch::Qwen3 => qwen3::SPEC,
         };
-        let stored = w
-            .dtype_of("model.norm.weight")
-            .and_then(DtypeName::from_mlx)
-            .unwrap_or(DtypeName::Float32);
+        let stored = w.dtype_of("model.norm.weight").and_then(DtypeName::from_mlx).unwrap_or(DtypeName::Float32);
         let dtype_name = dtype.unwrap_or(stored);
-        let opts = LoadOptions {
-            compute: Some(dtype_name.mlx()),
-            dequantize,
-        };
+        let opts = LoadOptions { compute: Some(dtype_name.mlx()), dequantize };
         let q = config.quantization.as_ref();
         let c = &config;
-        let embed = Embedding::load(
-            w,
-            q,
-            "model.embed_tokens",
-            c.vocab_size,
-            c.hidden_size,
-            &opts,
-        )?;
+        let embed = Embedding::load(w, q, "model.embed_tokens", c.vocab_size, c.hidden_size, &opts)?;
         let mut blocks = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
             blocks.push(Block {
-                input_norm: RmsNorm::load(
-                    w,
-                    &format!("{p}.input_layernorm"),
-                    c.hidden_size,
-                    c.rms_norm_eps,
-                    &opts,
-                )?,
+                input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm"), c.hidden_size, c.rms_norm_eps, &opts)?,
                 attn: Attention::load(w, c, &format!("{p}.self_attn"), spec.qk_norm, &opts)?,
                 post_norm: RmsNorm::load(
                     w,
@@ -132,15 +105,7 @@ impl Model {
                     c.rms_norm_eps,
                     &opts,
                 )?,
-                mlp: Mlp::load(
-                    w,
-                    q,
-                    &format!("{p}.mlp"),
-                    c.hidden_size,
-                    c.intermediate_size,
-                    c.mlp_bias,
-                    &opts,
-                )?,
+                mlp: Mlp::load(w, q, &format!("{p}.mlp"), c.hidden_size, c.intermediate_size, c.mlp_bias, &opts)?,
             });
         }
         let norm = RmsNorm::load(w, "model.norm", c.hidden_size, c.rms_norm_eps, &opts)?;
@@ -148,19 +113,8 @@ impl Model {
             Some(t) => t,
             None => spec.tie_by_default && !w.contains("lm_head.weight"),
         };
-        let lm_head = if tied {
-            None
-        } else {
-            Some(Linear::load(
-                w,
-                q,
-                "lm_head",
-                c.hidden_size,
-                c.vocab_size,
-                false,
-                &opts,
-            )?)
-        };
+        let lm_head =
+            if tied { None } else { Some(Linear::load(w, q, "lm_head", c.hidden_size, c.vocab_size, false, &opts)?) };
         let rope = Rope::new(c)?;
         Ok(Model {
             config,
@@ -171,7 +125,7 @@ impl Model {
             norm,
             lm_head,
             rope,
-            faults: Faults::NONE,
+            faults: std::cell::Cell::new(Faults::NONE),
         })
     }
 
@@ -182,6 +136,14 @@ impl Model {
             head_dim: self.config.head_dim,
             dtype: self.dtype,
         }
+    }
+
+    pub fn faults(&self) -> Faults {
+        self.faults.get()
+    }
+
+    pub fn set_faults(&self, faults: Faults) {
+        self.faults.set(faults);
     }
 
     pub fn tied_embeddings(&self) -> bool {
@@ -195,15 +157,9 @@ impl Model {
     pub fn forward(&self, kv: &mut dyn KvCache, rows: &[RowStep]) -> Result<Array> {
         let t = rows.first().map(|r| r.tokens.len()).unwrap_or(0);
         if t == 0 || rows.iter().any(|r| r.tokens.len() != t) {
-            return Err(Error::Invalid(
-                "every row of a step needs the same, non-zero number of tokens".into(),
-            ));
+            return Err(Error::Invalid("every row of a step needs the same, non-zero number of tokens".into()));
         }
-        if let Some(bad) = rows
-            .iter()
-            .flat_map(|r| &r.tokens)
-            .find(|&&id| id as usize >= self.config.vocab_size)
-        {
+        if let Some(bad) = rows.iter().flat_map(|r| &r.tokens).find(|&&id| id as usize >= self.config.vocab_size) {
             return Err(Error::Invalid(format!(
                 "token id {bad} is outside the vocabulary of {}",
                 self.config.vocab_size
@@ -214,31 +170,17 @@ impl Model {
         for r in rows {
             let len = kv.len(r.seq)?;
             if len + t > ctx {
-                return Err(Error::ContextOverflow {
-                    held: len,
-                    adding: t,
-                    context: ctx,
-                });
+                return Err(Error::ContextOverflow { held: len, adding: t, context: ctx });
             }
             starts.push(kv.reserve(r.seq, t)?);
         }
         let b = rows.len() as i32;
-        let ids: Vec<i32> = rows
-            .iter()
-            .flat_map(|r| r.tokens.iter().map(|&x| x as i32))
-            .collect();
+        let ids: Vec<i32> = rows.iter().flat_map(|r| r.tokens.iter().map(|&x| x as i32)).collect();
         let ids = Array::from_slice(&ids, &[b, t as i32]);
         let mut x = self.embed.forward(&ids)?;
-        let ctx = attention::StepContext {
-            rows,
-            starts: &starts,
-            rope: &self.rope,
-            faults: self.faults,
-        };
+        let ctx = attention::StepContext { rows, starts: &starts, rope: &self.rope, faults: self.faults.get() };
         for (layer, block) in self.blocks.iter().enumerate() {
-            let h = block
-                .attn
-                .forward(&block.input_norm.forward(&x)?, layer, kv, &ctx)?;
+            let h = block.attn.forward(&block.input_norm.forward(&x)?, layer, kv, &ctx)?;
             x = x.add(&h)?;
             let h = block.mlp.forward(&block.post_norm.forward(&x)?)?;
             x = x.add(&h)?;

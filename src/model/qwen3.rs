@@ -5,7 +5,4 @@
 
 use super::FamilySpec;
 
-pub const SPEC: FamilySpec = FamilySpec {
-    qk_norm: true,
-    tie_by_default: true,
-};
+pub const SPEC: FamilySpec = FamilySpec { qk_norm: true, tie_by_default: true };

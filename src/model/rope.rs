@@ -28,12 +28,7 @@ impl Rope {
         let (base, scale, freqs) = match cfg.rope_scaling {
             RopeScaling::None => (Some(base), 1.0, None),
             RopeScaling::Linear { factor } => (Some(base), 1.0 / factor, None),
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            } => {
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
                 let periods = llama3_periods(
                     cfg.head_dim,
                     base,
@@ -42,20 +37,10 @@ impl Rope {
                     high_freq_factor,
                     original_max_position_embeddings,
                 );
-                (
-                    None,
-                    1.0,
-                    Some(Array::from_slice(&periods, &[periods.len() as i32])),
-                )
+                (None, 1.0, Some(Array::from_slice(&periods, &[periods.len() as i32])))
             }
         };
-        Ok(Rope {
-            dims,
-            traditional: cfg.rope_traditional,
-            base,
-            scale,
-            freqs,
-        })
+        Ok(Rope { dims, traditional: cfg.rope_traditional, base, scale, freqs })
     }
 
     /// Rotate `x` (`[1, H, T, D]`, one sequence) whose first row sits at `offset`.
@@ -66,15 +51,7 @@ impl Rope {
                 x.shape()[0]
             )));
         }
-        Ok(mlx_rs::fast::rope(
-            x,
-            self.dims,
-            self.traditional,
-            self.base,
-            self.scale,
-            offset,
-            self.freqs.as_ref(),
-        )?)
+        Ok(mlx_rs::fast::rope(x, self.dims, self.traditional, self.base, self.scale, offset, self.freqs.as_ref())?)
     }
 
     /// Planted fault `rope-batch-alias`: the whole `[B, H, 1, D]` decode tensor rotated in one
@@ -98,14 +75,7 @@ impl Rope {
 /// Llama 3.1 frequency scaling (as in Meta's reference and mlx-lm): long wavelengths are
 /// stretched by `factor`, short ones kept, the band in between interpolated. Returns periods
 /// (`1 / inv_freq`), the form MLX's rope takes as `freqs`.
-fn llama3_periods(
-    head_dim: usize,
-    base: f32,
-    factor: f32,
-    low: f32,
-    high: f32,
-    old_ctx: f32,
-) -> Vec<f32> {
+fn llama3_periods(head_dim: usize, base: f32, factor: f32, low: f32, high: f32, old_ctx: f32) -> Vec<f32> {
     let low_wavelen = old_ctx / low;
     let high_wavelen = old_ctx / high;
     (0..head_dim)
@@ -135,9 +105,6 @@ mod tests {
         assert_eq!(p.len(), 32);
         assert_eq!(p[0], 1.0, "highest frequency untouched");
         let unscaled_last = 500_000f32.powf(62.0 / 64.0);
-        assert!(
-            (p[31] / unscaled_last - 32.0).abs() < 1e-3,
-            "lowest frequency stretched by factor"
-        );
+        assert!((p[31] / unscaled_last - 32.0).abs() < 1e-3, "lowest frequency stretched by factor");
     }
 }

@@ -69,37 +69,19 @@ fn suite(out: &mut String, report: &Report, name: &str, checkpoint: Option<&Chec
             props.insert(1, ("resolved", r.clone()));
         }
         for (k, v) in props {
-            let _ = writeln!(
-                out,
-                "      <property name=\"{k}\" value=\"{}\"/>",
-                escape(&v)
-            );
+            let _ = writeln!(out, "      <property name=\"{k}\" value=\"{}\"/>", escape(&v));
         }
         out.push_str("    </properties>\n");
     }
     let classname = escape(&format!("{}.{}", report.suite, name));
     for row in rows {
-        let _ = write!(
-            out,
-            "    <testcase classname=\"{classname}\" name=\"{}\" time=\"0\"",
-            escape(&case_id(row))
-        );
+        let _ = write!(out, "    <testcase classname=\"{classname}\" name=\"{}\" time=\"0\"", escape(&case_id(row)));
         let detail = |tag: &str, message: &str, body: &str| {
-            format!(
-                ">\n      <{tag} message=\"{}\">{}</{tag}>\n    </testcase>\n",
-                escape(message),
-                escape_text(body)
-            )
+            format!(">\n      <{tag} message=\"{}\">{}</{tag}>\n    </testcase>\n", escape(message), escape_text(body))
         };
         if row.verdict == Verdict::Skipped {
-            let reason = checkpoint
-                .and_then(|c| c.reason.as_deref())
-                .or(row.notes.first().map(String::as_str));
-            let _ = write!(
-                out,
-                ">\n      <skipped message=\"{}\"/>\n    </testcase>\n",
-                escape(first_line(reason))
-            );
+            let reason = checkpoint.and_then(|c| c.reason.as_deref()).or(row.notes.first().map(String::as_str));
+            let _ = write!(out, ">\n      <skipped message=\"{}\"/>\n    </testcase>\n", escape(first_line(reason)));
         } else if row.verdict == Verdict::Error {
             let message = row.failure.as_deref().unwrap_or("error");
             out.push_str(&detail("error", first_line(Some(message)), message));
@@ -137,12 +119,7 @@ struct Tally {
 
 impl Tally {
     fn of<'a>(rows: impl Iterator<Item = &'a Row>) -> Tally {
-        let mut t = Tally {
-            tests: 0,
-            failures: 0,
-            errors: 0,
-            skipped: 0,
-        };
+        let mut t = Tally { tests: 0, failures: 0, errors: 0, skipped: 0 };
         for r in rows {
             t.tests += 1;
             match r.verdict {

@@ -49,10 +49,7 @@ pub fn render(report: &Report) -> String {
         if c.status != CheckpointStatus::Ran {
             continue;
         }
-        let mine: Vec<&Vec<&Row>> = groups
-            .iter()
-            .filter(|g| g[0].checkpoint == c.name)
-            .collect();
+        let mine: Vec<&Vec<&Row>> = groups.iter().filter(|g| g[0].checkpoint == c.name).collect();
         if mine.is_empty() {
             continue;
         }
@@ -62,11 +59,7 @@ pub fn render(report: &Report) -> String {
 
     failures(&mut out, report);
 
-    let skipped: Vec<_> = report
-        .checkpoints
-        .iter()
-        .filter(|c| c.status == CheckpointStatus::Skipped)
-        .collect();
+    let skipped: Vec<_> = report.checkpoints.iter().filter(|c| c.status == CheckpointStatus::Skipped).collect();
     if !skipped.is_empty() {
         out.push_str("### Skipped checkpoints\n\n");
         for c in skipped {
@@ -113,9 +106,7 @@ fn matrix(out: &mut String, groups: &[&Vec<&Row>]) {
         let cells: Vec<String> = backends
             .iter()
             .map(|b| {
-                let g = groups
-                    .iter()
-                    .find(|g| g[0].scenario == *sc && g[0].backend == *b);
+                let g = groups.iter().find(|g| g[0].scenario == *sc && g[0].backend == *b);
                 g.map_or_else(|| "-".to_string(), |g| status_cell(g))
             })
             .collect();
@@ -137,28 +128,16 @@ fn status_cell(rows: &[&Row]) -> String {
 }
 
 fn failures(out: &mut String, report: &Report) {
-    let broken: Vec<_> = report
-        .checkpoints
-        .iter()
-        .filter(|c| c.status == CheckpointStatus::Error)
-        .collect();
+    let broken: Vec<_> = report.checkpoints.iter().filter(|c| c.status == CheckpointStatus::Error).collect();
     let is_broken = |r: &Row| broken.iter().any(|c| c.name == r.checkpoint);
-    let rows: Vec<&Row> = report
-        .rows
-        .iter()
-        .filter(|r| failing(r) && !is_broken(r))
-        .collect();
+    let rows: Vec<&Row> = report.rows.iter().filter(|r| failing(r) && !is_broken(r)).collect();
     if broken.is_empty() && rows.is_empty() {
         return;
     }
     out.push_str("### Failures\n\n");
     // A checkpoint that never ran failed all its rows for one reason: one block, not one per row.
     for c in broken {
-        let n = report
-            .rows
-            .iter()
-            .filter(|r| r.checkpoint == c.name)
-            .count();
+        let n = report.rows.iter().filter(|r| r.checkpoint == c.name).count();
         let reason = c.reason.as_deref().unwrap_or("no reason recorded");
         let _ = writeln!(
             out,
@@ -199,10 +178,7 @@ fn failures(out: &mut String, report: &Report) {
             parts.push(items);
         }
         if let Some(d) = diff {
-            parts.push(format!(
-                "Decoded output, `[-reference-]{{+path+}}`:\n\n{}",
-                fenced(&d, "")
-            ));
+            parts.push(format!("Decoded output, `[-reference-]{{+path+}}`:\n\n{}", fenced(&d, "")));
         }
         out.push_str(&parts.join("\n"));
         out.push_str("\n</details>\n\n");
@@ -224,11 +200,7 @@ fn fenced(text: &str, indent: &str) -> String {
 /// An inline code span, padded when the text itself starts or ends with a backtick.
 fn code(s: &str) -> String {
     let ticks = "`".repeat(longest_backtick_run(s) + 1);
-    let pad = if s.starts_with('`') || s.ends_with('`') {
-        " "
-    } else {
-        ""
-    };
+    let pad = if s.starts_with('`') || s.ends_with('`') { " " } else { "" };
     format!("{ticks}{pad}{s}{pad}{ticks}")
 }
 
@@ -249,7 +221,5 @@ fn cell(s: &str) -> String {
 }
 
 fn html(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }

@@ -31,10 +31,8 @@ pub fn merge(reports: Vec<Report>) -> Result<Report, String> {
     check_shards(&reports)?;
     // The canonical order: JSON as the last key makes it total, and two reports equal under it
     // are identical, so their relative order cannot show.
-    let mut keyed: Vec<(usize, String, Report)> = reports
-        .drain(..)
-        .map(|r| (r.shard.map_or(0, |s| s.index), r.to_json(), r))
-        .collect();
+    let mut keyed: Vec<(usize, String, Report)> =
+        reports.drain(..).map(|r| (r.shard.map_or(0, |s| s.index), r.to_json(), r)).collect();
     keyed.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
     let reports: Vec<Report> = keyed.into_iter().map(|(_, _, r)| r).collect();
 
@@ -61,33 +59,21 @@ pub fn merge(reports: Vec<Report>) -> Result<Report, String> {
     let order = checkpoint_order(&reports);
     let mut checkpoints: Vec<CheckpointReport> = Vec::new();
     for name in &order {
-        let parts: Vec<&CheckpointReport> = reports
-            .iter()
-            .flat_map(|r| &r.checkpoints)
-            .filter(|c| &c.name == name)
-            .collect();
+        let parts: Vec<&CheckpointReport> =
+            reports.iter().flat_map(|r| &r.checkpoints).filter(|c| &c.name == name).collect();
         if let Some(c) = merge_checkpoint(&parts) {
             checkpoints.push(c);
         }
     }
 
-    let mut rows: Vec<Row> = reports
-        .iter()
-        .flat_map(|r| r.rows.iter().cloned())
-        .collect();
+    let mut rows: Vec<Row> = reports.iter().flat_map(|r| r.rows.iter().cloned()).collect();
     rows.sort_by_key(|r| {
-        let c = order
-            .iter()
-            .position(|n| *n == r.checkpoint)
-            .unwrap_or(usize::MAX);
+        let c = order.iter().position(|n| *n == r.checkpoint).unwrap_or(usize::MAX);
         (c, scenario_rank(&r.scenario), backend_rank(&r.backend))
     });
 
     let mut summary = Summary::of(&rows);
-    let changes: BTreeSet<&String> = reports
-        .iter()
-        .flat_map(|r| &r.summary.snapshot_changes)
-        .collect();
+    let changes: BTreeSet<&String> = reports.iter().flat_map(|r| &r.summary.snapshot_changes).collect();
     summary.snapshot_changes = changes.into_iter().cloned().collect();
     summary.seconds = reports.iter().fold(0.0, |t, r| t + r.summary.seconds);
 
@@ -108,13 +94,7 @@ pub fn merge(reports: Vec<Report>) -> Result<Report, String> {
 
 fn same(a: &Report, b: &Report, what: &str, f: impl Fn(&Report) -> String) -> Result<(), String> {
     let (x, y) = (f(a), f(b));
-    if x == y {
-        Ok(())
-    } else {
-        Err(format!(
-            "cannot merge reports with different {what}: `{x}` and `{y}`"
-        ))
-    }
+    if x == y { Ok(()) } else { Err(format!("cannot merge reports with different {what}: `{x}` and `{y}`")) }
 }
 
 /// Either every report is a shard of the same split and together they are all of it, or
@@ -140,15 +120,8 @@ fn check_shards(reports: &[Report]) -> Result<(), String> {
             return Err(format!("shard {}/{count} given twice", s.index));
         }
     }
-    let missing: Vec<String> = (1..=count)
-        .filter(|i| !have.contains(i))
-        .map(|i| format!("{i}/{count}"))
-        .collect();
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(format!("missing shard report(s): {}", missing.join(", ")))
-    }
+    let missing: Vec<String> = (1..=count).filter(|i| !have.contains(i)).map(|i| format!("{i}/{count}")).collect();
+    if missing.is_empty() { Ok(()) } else { Err(format!("missing shard report(s): {}", missing.join(", "))) }
 }
 
 /// Each report lists its checkpoints in suite order; a name not seen yet goes right after its
@@ -225,14 +198,9 @@ fn merge_checkpoint(parts: &[&CheckpointReport]) -> Option<CheckpointReport> {
 
 /// Scenarios in the order `parity` defines them; unknown names after, together.
 fn scenario_rank(name: &str) -> usize {
-    Scenario::parse(name)
-        .and_then(|s| ALL.iter().position(|x| *x == s))
-        .unwrap_or(ALL.len())
+    Scenario::parse(name).and_then(|s| ALL.iter().position(|x| *x == s)).unwrap_or(ALL.len())
 }
 
 fn backend_rank(name: &str) -> usize {
-    ["dense", "paged"]
-        .iter()
-        .position(|b| *b == name)
-        .unwrap_or(2)
+    ["dense", "paged"].iter().position(|b| *b == name).unwrap_or(2)
 }

@@ -159,14 +159,9 @@ pub struct Summary {
 
 impl Summary {
     pub fn of(rows: &[Row]) -> Summary {
-        let mut s = Summary {
-            rows: rows.len(),
-            ..Summary::default()
-        };
+        let mut s = Summary { rows: rows.len(), ..Summary::default() };
         for r in rows {
-            *s.by_verdict
-                .entry(r.verdict.name().to_string())
-                .or_default() += 1;
+            *s.by_verdict.entry(r.verdict.name().to_string()).or_default() += 1;
             if r.verdict == Verdict::Skipped {
                 s.skipped += 1;
             } else if r.pass {
@@ -187,9 +182,7 @@ impl Report {
 
     /// Nothing could be judged because a checkpoint was absent or would not load.
     pub fn unjudgeable(&self) -> bool {
-        self.checkpoints
-            .iter()
-            .any(|c| c.status != CheckpointStatus::Ran)
+        self.checkpoints.iter().any(|c| c.status != CheckpointStatus::Ran)
     }
 
     pub fn to_json(&self) -> String {

@@ -35,9 +35,7 @@ impl std::str::FromStr for UpdateMode {
             "always" | "overwrite" => Ok(UpdateMode::Always),
             "unseen" => Ok(UpdateMode::Unseen),
             "no" => Ok(UpdateMode::No),
-            other => Err(format!(
-                "unknown update mode `{other}`; expected new, always, unseen or no"
-            )),
+            other => Err(format!("unknown update mode `{other}`; expected new, always, unseen or no")),
         }
     }
 }
@@ -55,27 +53,16 @@ impl UpdateMode {
 /// The snapshot directory of a suite on this run's device.
 pub fn dir(reports: &Path, report: &Report) -> PathBuf {
     let base = reports.join(&report.suite);
-    if report.environment.device == "cpu" {
-        base
-    } else {
-        base.join(&report.environment.device)
-    }
+    if report.environment.device == "cpu" { base } else { base.join(&report.environment.device) }
 }
 
 /// File stem and content of every snapshot this report yields: one per (checkpoint, scenario)
 /// of each checkpoint that ran.
 pub fn render(report: &Report) -> BTreeMap<String, String> {
     let mut groups: BTreeMap<(String, String), Vec<&Row>> = BTreeMap::new();
-    for c in report
-        .checkpoints
-        .iter()
-        .filter(|c| c.status == CheckpointStatus::Ran)
-    {
+    for c in report.checkpoints.iter().filter(|c| c.status == CheckpointStatus::Ran) {
         for r in report.rows.iter().filter(|r| r.checkpoint == c.name) {
-            groups
-                .entry((c.name.clone(), r.scenario.clone()))
-                .or_default()
-                .push(r);
+            groups.entry((c.name.clone(), r.scenario.clone())).or_default().push(r);
         }
     }
     let mut out = BTreeMap::new();
@@ -86,11 +73,7 @@ pub fn render(report: &Report) -> BTreeMap<String, String> {
         let mut s = String::new();
         let _ = writeln!(s, "---");
         let _ = writeln!(s, "source: {}", yaml_str(&report.suite_file));
-        let _ = writeln!(
-            s,
-            "expression: {}",
-            yaml_str(&format!("{checkpoint} / {scenario}"))
-        );
+        let _ = writeln!(s, "expression: {}", yaml_str(&format!("{checkpoint} / {scenario}")));
         let _ = writeln!(s, "---");
         let _ = writeln!(s, "checkpoint: {}", yaml_str(&checkpoint));
         let _ = writeln!(s, "scenario: {scenario}");
@@ -132,11 +115,8 @@ fn row(s: &mut String, r: &Row) {
         if let (Some(b), Some(o)) = (d.block_index, d.offset_in_block) {
             let _ = write!(loc, ", block: {b}, offset: {o}");
         }
-        let _ = write!(
-            loc,
-            ", pads_trimmed: {}, batch_row: {}, batch_size: {}",
-            d.pads_trimmed, d.batch_row, d.batch_size
-        );
+        let _ =
+            write!(loc, ", pads_trimmed: {}, batch_row: {}, batch_size: {}", d.pads_trimmed, d.batch_row, d.batch_size);
         let _ = writeln!(s, "    divergence: {{{loc}}}");
         let _ = writeln!(s, "    reference_token: {}", d.reference_token);
         let _ = writeln!(s, "    token: {}", d.token);
@@ -157,13 +137,7 @@ fn row(s: &mut String, r: &Row) {
 /// the bucket already reports.
 fn strip_numbers_after_rms(f: &str) -> String {
     f.split("; ")
-        .map(|part| {
-            if part.starts_with("max relative RMS") {
-                "max relative RMS over tolerance"
-            } else {
-                part
-            }
-        })
+        .map(|part| if part.starts_with("max relative RMS") { "max relative RMS over tolerance" } else { part })
         .collect::<Vec<_>>()
         .join("; ")
 }
@@ -189,41 +163,24 @@ fn ids(v: &[u32]) -> String {
 /// A YAML scalar that is always valid: plain when safe, double-quoted JSON-style otherwise.
 fn yaml_str(s: &str) -> String {
     let plain = !s.is_empty()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_./ ".contains(c))
+        && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./ ".contains(c))
         && !s.starts_with(['-', ' ', '.'])
         && !s.ends_with(' ')
         && !matches!(s, "true" | "false" | "null" | "yes" | "no" | "on" | "off")
         && s.parse::<f64>().is_err();
-    if plain {
-        s.to_string()
-    } else {
-        serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
-    }
+    if plain { s.to_string() } else { serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into()) }
 }
 
 pub fn file_stem(checkpoint: &str, scenario: &str) -> String {
     let clean = |s: &str| {
-        s.chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || "-_.".contains(c) {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect::<String>()
+        s.chars().map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect::<String>()
     };
     format!("{}__{}", clean(checkpoint), clean(scenario))
 }
 
 /// Compare rendered snapshots with the accepted ones in `dir`, writing per `mode`. Returns the
 /// paths of snapshots that differ from (or are missing in) the accepted set.
-pub fn check(
-    dir: &Path,
-    rendered: &BTreeMap<String, String>,
-    mode: UpdateMode,
-) -> std::io::Result<Vec<PathBuf>> {
+pub fn check(dir: &Path, rendered: &BTreeMap<String, String>, mode: UpdateMode) -> std::io::Result<Vec<PathBuf>> {
     let mut changes = Vec::new();
     for (stem, content) in rendered {
         let accepted = dir.join(format!("{stem}.snap"));

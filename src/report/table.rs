@@ -10,13 +10,8 @@ use std::fmt::Write;
 use super::{CheckpointReport, CheckpointStatus, DivergenceReport, Report, Row};
 use crate::compare::{TOP_K, Verdict};
 
-const VERDICTS: [Verdict; 5] = [
-    Verdict::Identical,
-    Verdict::NearTie,
-    Verdict::Diverged,
-    Verdict::Error,
-    Verdict::Skipped,
-];
+const VERDICTS: [Verdict; 5] =
+    [Verdict::Identical, Verdict::NearTie, Verdict::Diverged, Verdict::Error, Verdict::Skipped];
 
 /// Indent of the detail lines under a `FAIL` header.
 const INDENT: &str = "    ";
@@ -31,11 +26,8 @@ pub fn render(report: &Report, color: bool) -> String {
 
     let groups = groups(&report.rows);
     let width = |f: fn(&Row) -> &str| groups.iter().map(|g| f(g[0]).len()).max().unwrap_or(0);
-    let (wc, ws, wb) = (
-        width(|r| r.checkpoint.as_str()),
-        width(|r| r.scenario.as_str()),
-        width(|r| r.backend.as_str()),
-    );
+    let (wc, ws, wb) =
+        (width(|r| r.checkpoint.as_str()), width(|r| r.scenario.as_str()), width(|r| r.backend.as_str()));
     for g in &groups {
         let failed = g.iter().filter(|r| failing(r)).count();
         let status = if failed > 0 {
@@ -49,29 +41,16 @@ pub fn render(report: &Report, color: bool) -> String {
         if failed > 0 {
             let _ = write!(counts, "; {failed} failed");
         }
-        let _ = writeln!(
-            out,
-            "{status}  {:wc$}  {:ws$}  {:wb$}  {counts}",
-            g[0].checkpoint, g[0].scenario, g[0].backend
-        );
+        let _ =
+            writeln!(out, "{status}  {:wc$}  {:ws$}  {:wb$}  {counts}", g[0].checkpoint, g[0].scenario, g[0].backend);
     }
 
     for c in &report.checkpoints {
         if c.status != CheckpointStatus::Error {
             continue;
         }
-        let n = report
-            .rows
-            .iter()
-            .filter(|r| r.checkpoint == c.name)
-            .count();
-        let _ = writeln!(
-            out,
-            "\n{} {}: checkpoint error, {} not run",
-            paint.red("FAIL"),
-            c.name,
-            plural(n, "row")
-        );
+        let n = report.rows.iter().filter(|r| r.checkpoint == c.name).count();
+        let _ = writeln!(out, "\n{} {}: checkpoint error, {} not run", paint.red("FAIL"), c.name, plural(n, "row"));
         for line in c.reason.as_deref().unwrap_or("no reason recorded").lines() {
             let _ = writeln!(out, "{INDENT}{line}");
         }
@@ -88,32 +67,19 @@ pub fn render(report: &Report, color: bool) -> String {
                 let label = if k == 0 { label } else { "" };
                 let text = format!("{INDENT}{label:11} {line}");
                 // Only the padding is trimmed: a trailing space in a text diff is content.
-                let text = if line.is_empty() {
-                    text.trim_end()
-                } else {
-                    &text
-                };
+                let text = if line.is_empty() { text.trim_end() } else { &text };
                 let _ = writeln!(out, "{text}");
             }
         }
     }
 
-    let skipped: Vec<&CheckpointReport> = report
-        .checkpoints
-        .iter()
-        .filter(|c| c.status == CheckpointStatus::Skipped)
-        .collect();
+    let skipped: Vec<&CheckpointReport> =
+        report.checkpoints.iter().filter(|c| c.status == CheckpointStatus::Skipped).collect();
     if !skipped.is_empty() {
         out.push('\n');
     }
     for c in skipped {
-        let _ = writeln!(
-            out,
-            "{} {}: {}",
-            paint.yellow("SKIP"),
-            c.name,
-            first_line(c.reason.as_deref())
-        );
+        let _ = writeln!(out, "{} {}: {}", paint.yellow("SKIP"), c.name, first_line(c.reason.as_deref()));
     }
 
     let s = &report.summary;
@@ -133,11 +99,7 @@ pub fn render(report: &Report, color: bool) -> String {
     if let Some(shard) = report.shard {
         let _ = write!(last, " (shard {}/{})", shard.index, shard.count);
     }
-    let last = if report.failed() {
-        paint.red(&last)
-    } else {
-        paint.green(&last)
-    };
+    let last = if report.failed() { paint.red(&last) } else { paint.green(&last) };
     let _ = writeln!(out, "{last}");
     out
 }
@@ -155,10 +117,7 @@ pub(crate) fn row_id(row: &Row) -> String {
 
 /// The row's id inside its checkpoint.
 pub(crate) fn case_id(row: &Row) -> String {
-    format!(
-        "{}/{}:{}/{}",
-        row.prompt, row.scenario, row.case, row.backend
-    )
+    format!("{}/{}:{}/{}", row.prompt, row.scenario, row.case, row.backend)
 }
 
 /// Rows grouped by (checkpoint, scenario, backend), in order of first appearance, so the
@@ -167,9 +126,7 @@ pub(crate) fn groups(rows: &[Row]) -> Vec<Vec<&Row>> {
     let mut out: Vec<Vec<&Row>> = Vec::new();
     for r in rows {
         let same = |g: &&mut Vec<&Row>| {
-            g[0].checkpoint == r.checkpoint
-                && g[0].scenario == r.scenario
-                && g[0].backend == r.backend
+            g[0].checkpoint == r.checkpoint && g[0].scenario == r.scenario && g[0].backend == r.backend
         };
         match out.iter_mut().find(same) {
             Some(g) => g.push(r),
@@ -188,36 +145,17 @@ pub(crate) fn counts<'a>(rows: impl Iterator<Item = &'a Row> + Clone) -> String 
             (n > 0).then(|| format!("{n} {}", v.name()))
         })
         .collect();
-    if parts.is_empty() {
-        "no rows".into()
-    } else {
-        parts.join(", ")
-    }
+    if parts.is_empty() { "no rows".into() } else { parts.join(", ") }
 }
 
 /// Labelled facts about a failing row, most telling first; values may span lines.
-pub(crate) fn details(
-    row: &Row,
-    checkpoint: Option<&CheckpointReport>,
-) -> Vec<(&'static str, String)> {
+pub(crate) fn details(row: &Row, checkpoint: Option<&CheckpointReport>) -> Vec<(&'static str, String)> {
     let mut out = Vec::new();
-    out.push((
-        "failure",
-        row.failure
-            .clone()
-            .unwrap_or_else(|| row.verdict.name().to_string()),
-    ));
+    out.push(("failure", row.failure.clone().unwrap_or_else(|| row.verdict.name().to_string())));
     if let Some(d) = &row.first_divergence {
         out.push(("divergence", location(d, row.paths, checkpoint)));
-        out.push((
-            "reference",
-            format!("{}; gap {:.3}", top2(&d.reference_top), d.reference_gap),
-        ));
-        let mutual = if d.mutual_top_k {
-            "mutual"
-        } else {
-            "not mutual"
-        };
+        out.push(("reference", format!("{}; gap {:.3}", top2(&d.reference_top), d.reference_gap)));
+        let mutual = if d.mutual_top_k { "mutual" } else { "not mutual" };
         out.push((
             "path",
             format!(
@@ -253,11 +191,7 @@ pub(crate) fn location(d: &DivergenceReport, paths: usize, c: Option<&Checkpoint
     if paths > 1 {
         let _ = write!(s, ", path {} of {paths}", d.path);
     }
-    let _ = write!(
-        s,
-        ", position {} ({} mod tile",
-        d.position, d.position_mod_tile
-    );
+    let _ = write!(s, ", position {} ({} mod tile", d.position, d.position_mod_tile);
     if let Some(c) = c {
         let _ = write!(s, " {}", c.settings.tile);
     }
@@ -274,32 +208,20 @@ pub(crate) fn location(d: &DivergenceReport, paths: usize, c: Option<&Checkpoint
 
 /// `11 (14.250), 42 (13.750)`: token ids with their logits.
 pub(crate) fn top2(top: &[(u32, f32)]) -> String {
-    let parts: Vec<String> = top
-        .iter()
-        .take(2)
-        .map(|(t, l)| format!("{t} ({l:.3})"))
-        .collect();
+    let parts: Vec<String> = top.iter().take(2).map(|(t, l)| format!("{t} ({l:.3})")).collect();
     format!("top-2 {}", parts.join(", "))
 }
 
 /// The largest relative RMS, next to what two correct runs differ by on this machine.
 pub(crate) fn rms(row: &Row) -> String {
     let Some(m) = row.max_rel_rms else {
-        return if row.nan {
-            "NaN (a poisoned or freed row was read)".into()
-        } else {
-            "not measured".into()
-        };
+        return if row.nan { "NaN (a poisoned or freed row was read)".into() } else { "not measured".into() };
     };
     let mut s = format!("max {m:.3e}");
     match row.noise_floor_rel_rms {
         Some(f) if f > 0.0 => {
             let ratio = m / f;
-            let ratio = if ratio >= 10.0 {
-                format!("{ratio:.0}")
-            } else {
-                format!("{ratio:.1}")
-            };
+            let ratio = if ratio >= 10.0 { format!("{ratio:.0}") } else { format!("{ratio:.1}") };
             let _ = write!(s, ", {ratio}x noise floor ({f:.3e})");
         }
         Some(_) => s.push_str(", floor 0"),
@@ -312,28 +234,18 @@ pub(crate) fn rms(row: &Row) -> String {
 }
 
 pub(crate) fn first_line(reason: Option<&str>) -> &str {
-    reason
-        .and_then(|r| r.lines().next())
-        .unwrap_or("no reason recorded")
+    reason.and_then(|r| r.lines().next()).unwrap_or("no reason recorded")
 }
 
 pub(crate) fn plural(n: usize, word: &str) -> String {
-    if n == 1 {
-        format!("{n} {word}")
-    } else {
-        format!("{n} {word}s")
-    }
+    if n == 1 { format!("{n} {word}") } else { format!("{n} {word}s") }
 }
 
 struct Paint(bool);
 
 impl Paint {
     fn wrap(&self, code: &str, s: &str) -> String {
-        if self.0 {
-            format!("\x1b[{code}m{s}\x1b[0m")
-        } else {
-            s.to_string()
-        }
+        if self.0 { format!("\x1b[{code}m{s}\x1b[0m") } else { s.to_string() }
     }
     fn red(&self, s: &str) -> String {
         self.wrap("31", s)

@@ -16,38 +16,24 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         let steps = h.settings.max_tokens;
 
         let mut kv = h.kv(backend)?;
-        let mut lives = [
-            Live::new(kv.create(0)?, &reference, steps),
-            Live::new(kv.create(0)?, &reference, steps),
-        ];
+        let mut lives = [Live::new(kv.create(0)?, &reference, steps), Live::new(kv.create(0)?, &reference, steps)];
         for live in lives.iter_mut() {
             prefill(h.model, kv.as_mut(), live, &p.ids)?;
         }
         decode_all(h.model, kv.as_mut(), &mut lives)?;
-        out.push(case(
-            "same",
-            p,
-            lives.into_iter().map(|l| l.trace).collect(),
-        ));
+        out.push(case("same", p, lives.into_iter().map(|l| l.trace).collect()));
 
         if let Some(j) = ragged_partner(prompts, i) {
             let other = &prompts[j];
             let other_ref = h.reference(&other.ids)?;
             let mut kv = h.kv(backend)?;
-            let mut lives = [
-                Live::new(kv.create(0)?, &other_ref, steps),
-                Live::new(kv.create(0)?, &reference, steps),
-            ];
+            let mut lives = [Live::new(kv.create(0)?, &other_ref, steps), Live::new(kv.create(0)?, &reference, steps)];
             prefill(h.model, kv.as_mut(), &mut lives[0], &other.ids)?;
             prefill(h.model, kv.as_mut(), &mut lives[1], &p.ids)?;
             decode_all(h.model, kv.as_mut(), &mut lives)?;
             let [_, mine] = lives;
             let mut c = case("ragged", p, vec![mine.trace]);
-            c.notes.push(format!(
-                "row 0: {} ({} tokens)",
-                other.name,
-                other.ids.len()
-            ));
+            c.notes.push(format!("row 0: {} ({} tokens)", other.name, other.ids.len()));
             out.push(c);
         }
     }

@@ -19,9 +19,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         let chunks: Vec<&[u32]> = p.ids.chunks(c).collect();
         let last = chunks.len() - 1;
         for (k, chunk) in chunks.iter().enumerate() {
-            let logits = h
-                .model
-                .forward(kv.as_mut(), &[RowStep::new(live.seq, chunk.to_vec())])?;
+            let logits = h.model.forward(kv.as_mut(), &[RowStep::new(live.seq, chunk.to_vec())])?;
             if k == last {
                 record_step(kv.as_ref(), &mut [&mut live], &logits, &[p.ids.len() - 1])?;
             }

@@ -18,9 +18,7 @@ struct Request {
 pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
     let s = h.settings.concurrent.clone();
     if prompts.is_empty() || s.requests == 0 || s.max_batch == 0 || s.arrivals.is_empty() {
-        return Err(Error::Invalid(
-            "concurrent needs prompts, requests > 0, max_batch > 0 and arrivals".into(),
-        ));
+        return Err(Error::Invalid("concurrent needs prompts, requests > 0, max_batch > 0 and arrivals".into()));
     }
     let max_tokens = h.settings.max_tokens;
     let mut kv = h.kv(backend)?;
@@ -31,13 +29,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         // Staggered lengths, so rows leave at different steps as well as join at them.
         let steps = max_tokens.saturating_sub((j % 3) * (max_tokens / 4)).max(1);
         let live = Live::new(kv.create(0)?, &reference, steps);
-        pending.push(Request {
-            index: j,
-            prompt,
-            arrival: s.arrivals[j % s.arrivals.len()],
-            joined: None,
-            live,
-        });
+        pending.push(Request { index: j, prompt, arrival: s.arrivals[j % s.arrivals.len()], joined: None, live });
     }
     // Requests keep their creation order among equal arrivals.
     pending.sort_by_key(|r| (r.arrival, r.index));
@@ -85,11 +77,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
 }
 
 /// Finished rows leave the batch and give their storage back.
-fn retire(
-    kv: &mut dyn crate::kv::KvCache,
-    active: &mut Vec<Request>,
-    finished: &mut Vec<Request>,
-) -> Result<()> {
+fn retire(kv: &mut dyn crate::kv::KvCache, active: &mut Vec<Request>, finished: &mut Vec<Request>) -> Result<()> {
     let mut i = 0;
     while i < active.len() {
         if active[i].live.done() {

@@ -66,12 +66,7 @@ impl Scenario {
         ALL.iter().copied().find(|x| x.name() == s)
     }
 
-    pub fn run(
-        self,
-        h: &mut Harness,
-        backend: Backend,
-        prompts: &[Prompt],
-    ) -> Result<Vec<CaseOutput>> {
+    pub fn run(self, h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
         match self {
             Scenario::Single => single::run(h, backend, prompts),
             Scenario::Batch2 => batch2::run(h, backend, prompts),
@@ -136,11 +131,7 @@ pub struct ConcurrentSettings {
 
 impl Default for ConcurrentSettings {
     fn default() -> Self {
-        ConcurrentSettings {
-            requests: 5,
-            arrivals: vec![0, 0, 2, 3, 6],
-            max_batch: 3,
-        }
+        ConcurrentSettings { requests: 5, arrivals: vec![0, 0, 2, 3, 6], max_batch: 3 }
     }
 }
 
@@ -194,13 +185,22 @@ pub struct Harness<'m> {
 }
 
 impl<'m> Harness<'m> {
+    /// Scenarios run with `faults` planted (in the model and in paged pools); references
+    /// never do.
     pub fn new(model: &'m Model, settings: Settings, faults: Faults) -> Self {
-        Harness {
-            model,
-            settings,
-            faults,
-            references: HashMap::new(),
-        }
+        model.set_faults(faults);
+        Harness { model, settings, faults, references: HashMap::new() }
+    }
+
+    /// Run `f` with every planted fault switched off (references, the noise floor).
+    pub fn fault_free<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> T {
+        let saved = self.faults;
+        self.faults = Faults::NONE;
+        self.model.set_faults(Faults::NONE);
+        let out = f(self);
+        self.faults = saved;
+        self.model.set_faults(saved);
+        out
     }
 
     /// The reference for `prompt`: dense, one sequence, unpadded, greedy.
@@ -209,7 +209,8 @@ impl<'m> Harness<'m> {
             return Ok(t.clone());
         }
         let mut kv = DenseCache::new(self.model.kv_shape());
-        let (_, trace) = engine::generate(self.model, &mut kv, prompt, self.settings.max_tokens)?;
+        let steps = self.settings.max_tokens;
+        let (_, trace) = self.fault_free(|h| engine::generate(h.model, &mut kv, prompt, steps))?;
         self.references.insert(prompt.to_vec(), trace.clone());
         Ok(trace)
     }
@@ -234,9 +235,7 @@ impl<'m> Harness<'m> {
     /// The token used for padding: the checkpoint's pad token, else its first EOS, else 0.
     pub fn pad_token(&self) -> u32 {
         let c = &self.model.config;
-        c.pad_token_id
-            .or_else(|| c.eos_token_ids.first().copied())
-            .unwrap_or(0)
+        c.pad_token_id.or_else(|| c.eos_token_ids.first().copied()).unwrap_or(0)
     }
 }
 
@@ -267,12 +266,7 @@ impl Live {
 
     /// The token to feed next: the reference's choice at the last recorded step.
     pub fn next_input(&self) -> Result<u32> {
-        let i = self
-            .trace
-            .tokens
-            .len()
-            .checked_sub(1)
-            .ok_or_else(|| Error::Invalid("no step recorded yet".into()))?;
+        let i = self.trace.tokens.len().checked_sub(1).ok_or_else(|| Error::Invalid("no step recorded yet".into()))?;
         Ok(self.forced[i])
     }
 
@@ -285,12 +279,7 @@ impl Live {
 
 /// Record one step for `rows` from a forward's logits `[B, vocab]`. `fed_rows[i]` is the KV
 /// row of the token whose logits these are.
-pub fn record_step(
-    kv: &dyn KvCache,
-    lives: &mut [&mut Live],
-    logits: &Array,
-    fed_rows: &[usize],
-) -> Result<()> {
+pub fn record_step(kv: &dyn KvCache, lives: &mut [&mut Live], logits: &Array, fed_rows: &[usize]) -> Result<()> {
     let tokens = engine::greedy(logits)?;
     let rows = engine::rows(logits)?;
     let b = lives.len();
@@ -357,16 +346,9 @@ pub fn trim_exact(kv: &mut dyn KvCache, seq: SeqId, n: usize) -> Result<()> {
 /// of a different length (cyclically); prompts with no such partner are skipped.
 pub fn ragged_partner(prompts: &[Prompt], i: usize) -> Option<usize> {
     let n = prompts.len();
-    (1..n)
-        .map(|k| (i + k) % n)
-        .find(|&j| prompts[j].ids.len() != prompts[i].ids.len())
+    (1..n).map(|k| (i + k) % n).find(|&j| prompts[j].ids.len() != prompts[i].ids.len())
 }
 
 pub fn case(case: impl Into<String>, prompt: &Prompt, paths: Vec<PathTrace>) -> CaseOutput {
-    CaseOutput {
-        case: case.into(),
-        prompt: prompt.clone(),
-        paths,
-        notes: Vec::new(),
-    }
+    CaseOutput { case: case.into(), prompt: prompt.clone(), paths, notes: Vec::new() }
 }

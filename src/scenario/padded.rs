@@ -34,14 +34,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         let t = round(n);
         let mut tokens = p.ids.clone();
         tokens.resize(t, pad);
-        let logits = h.model.forward(
-            kv.as_mut(),
-            &[RowStep {
-                seq: live.seq,
-                tokens,
-                logits_at: n - 1,
-            }],
-        )?;
+        let logits = h.model.forward(kv.as_mut(), &[RowStep { seq: live.seq, tokens, logits_at: n - 1 }])?;
         record_step(kv.as_ref(), &mut [&mut live], &logits, &[n - 1])?;
         trim_exact(kv.as_mut(), live.seq, t - n)?;
         live.pads_trimmed = t - n;
@@ -49,8 +42,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         decode_all(h.model, kv.as_mut(), &mut lives)?;
         let [live] = lives;
         let mut c = case("tile", p, vec![live.trace]);
-        c.notes
-            .push(format!("padded {n} -> {t}, trimmed {}", t - n));
+        c.notes.push(format!("padded {n} -> {t}, trimmed {}", t - n));
         out.push(c);
 
         // batch-right: this prompt in row 0, a prompt of another length in row 1.
@@ -59,31 +51,19 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
             let other_ref = h.reference(&other.ids)?;
             let t = round(n.max(other.ids.len()));
             let mut kv = h.kv(backend)?;
-            let mut lives = [
-                Live::new(kv.create(0)?, &reference, steps),
-                Live::new(kv.create(0)?, &other_ref, steps),
-            ];
+            let mut lives = [Live::new(kv.create(0)?, &reference, steps), Live::new(kv.create(0)?, &other_ref, steps)];
             let rows: Vec<RowStep> = [(&lives[0], &p.ids), (&lives[1], &other.ids)]
                 .into_iter()
                 .map(|(l, ids)| {
                     let mut tokens = ids.clone();
                     tokens.resize(t, pad);
-                    RowStep {
-                        seq: l.seq,
-                        tokens,
-                        logits_at: ids.len() - 1,
-                    }
+                    RowStep { seq: l.seq, tokens, logits_at: ids.len() - 1 }
                 })
                 .collect();
             let logits = h.model.forward(kv.as_mut(), &rows)?;
             {
                 let [a, b] = &mut lives;
-                record_step(
-                    kv.as_ref(),
-                    &mut [a, b],
-                    &logits,
-                    &[n - 1, other.ids.len() - 1],
-                )?;
+                record_step(kv.as_ref(), &mut [a, b], &logits, &[n - 1, other.ids.len() - 1])?;
             }
             for (live, len) in lives.iter_mut().zip([n, other.ids.len()]) {
                 trim_exact(kv.as_mut(), live.seq, t - len)?;
@@ -109,26 +89,16 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         let t = round(l);
         let masked = l - n;
         let mut kv = h.kv(backend)?;
-        let mut lives = [
-            Live::new(kv.create(masked)?, &reference, steps),
-            Live::new(kv.create(0)?, &longer_ref, steps),
-        ];
+        let mut lives =
+            [Live::new(kv.create(masked)?, &reference, steps), Live::new(kv.create(0)?, &longer_ref, steps)];
         let mut mine = vec![pad; masked];
         mine.extend(&p.ids);
         mine.resize(t, pad);
         let mut theirs = longer.clone();
         theirs.resize(t, pad);
         let rows = vec![
-            RowStep {
-                seq: lives[0].seq,
-                tokens: mine,
-                logits_at: l - 1,
-            },
-            RowStep {
-                seq: lives[1].seq,
-                tokens: theirs,
-                logits_at: l - 1,
-            },
+            RowStep { seq: lives[0].seq, tokens: mine, logits_at: l - 1 },
+            RowStep { seq: lives[1].seq, tokens: theirs, logits_at: l - 1 },
         ];
         let logits = h.model.forward(kv.as_mut(), &rows)?;
         {
@@ -142,10 +112,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         decode_all(h.model, kv.as_mut(), &mut lives)?;
         let [mine, _] = lives;
         let mut c = case("batch-left", p, vec![mine.trace]);
-        c.notes.push(format!(
-            "{masked} left pads (masked), {n} real, {} right pads trimmed",
-            t - l
-        ));
+        c.notes.push(format!("{masked} left pads (masked), {n} real, {} right pads trimmed", t - l));
         out.push(c);
     }
     Ok(out)

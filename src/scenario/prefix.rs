@@ -10,9 +10,7 @@
 //! - `while-running`: the adopter joins while the donor is still decoding and both decode
 //!   together; both are reported (`while-running` for the donor, `while-running/adopter`).
 
-use super::{
-    CaseOutput, Harness, Live, Prompt, case, decode_all, decode_step, prefill, record_step,
-};
+use super::{CaseOutput, Harness, Live, Prompt, case, decode_all, decode_step, prefill, record_step};
 use crate::error::Result;
 use crate::kv::{Backend, KvCache};
 use crate::model::RowStep;
@@ -39,10 +37,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         // the shared rows.
         let mut ids = p.ids[..share].to_vec();
         ids.extend(p.ids.iter().rev().take(p.ids.len() - share + 2));
-        let derived = Prompt {
-            name: format!("{}/shared{share}", p.name),
-            ids,
-        };
+        let derived = Prompt { name: format!("{}/shared{share}", p.name), ids };
         let donor_ref = h.reference(&p.ids)?;
         let adopter_ref = h.reference(&derived.ids)?;
 
@@ -108,14 +103,8 @@ fn adopt(
 
 fn note(kv: &dyn KvCache, share: usize, p: &Prompt) -> String {
     match kv.backend() {
-        Backend::Paged => format!(
-            "shared {share} of {} prompt rows, copy-on-write",
-            p.ids.len()
-        ),
-        Backend::Dense => format!(
-            "recomputed {} prompt rows (dense cannot share)",
-            p.ids.len()
-        ),
+        Backend::Paged => format!("shared {share} of {} prompt rows, copy-on-write", p.ids.len()),
+        Backend::Dense => format!("recomputed {} prompt rows (dense cannot share)", p.ids.len()),
     }
 }
 

@@ -22,8 +22,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
             if k > 0 && live.trace.tokens.len() % every == 0 {
                 let next = live.next_input()?;
                 let drafts: Vec<u32> = (0..k as u32).map(|d| (next + 1 + d) % vocab).collect();
-                h.model
-                    .forward(kv.as_mut(), &[RowStep::new(live.seq, drafts)])?;
+                h.model.forward(kv.as_mut(), &[RowStep::new(live.seq, drafts)])?;
                 trim_exact(kv.as_mut(), live.seq, k)?;
                 rollbacks += 1;
             }

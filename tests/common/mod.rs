@@ -14,21 +14,13 @@ pub fn repo() -> PathBuf {
 /// The read-only directory with the real checkpoint and references: `PARITY_SHARED`, else
 /// `../shared` next to the repository (where CI has it).
 pub fn shared() -> PathBuf {
-    let dir = std::env::var_os("PARITY_SHARED")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("..").join("shared"));
-    assert!(
-        dir.join("checkpoints").is_dir(),
-        "shared test data not found at {} (set PARITY_SHARED)",
-        dir.display()
-    );
+    let dir = std::env::var_os("PARITY_SHARED").map(PathBuf::from).unwrap_or_else(|| repo().join("..").join("shared"));
+    assert!(dir.join("checkpoints").is_dir(), "shared test data not found at {} (set PARITY_SHARED)", dir.display());
     dir
 }
 
 pub fn smollm2() -> PathBuf {
-    shared()
-        .join("checkpoints")
-        .join("smollm2-135m-instruct-4bit")
+    shared().join("checkpoints").join("smollm2-135m-instruct-4bit")
 }
 
 /// Generate (once) and return the directory of fixture `name` (fixtures/<name>.toml).
@@ -45,10 +37,7 @@ pub fn load(dir: &std::path::Path) -> (Model, Tokenizer) {
 
 /// A scratch directory under target/, fresh per call.
 pub fn scratch(name: &str) -> PathBuf {
-    let dir = repo()
-        .join("target")
-        .join("test-scratch")
-        .join(format!("{name}-{}", std::process::id()));
+    let dir = repo().join("target").join("test-scratch").join(format!("{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("scratch dir");
     dir
