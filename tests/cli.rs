@@ -1,0 +1,235 @@
+//! The binary end to end: the fixture suite passes and its snapshots are byte-stable, exit codes
+//! mean what README says, bad input fails cleanly.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn parity(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_parity"))
+        .args(args)
+        .current_dir(common::repo())
+        .env_remove("PARITY_UPDATE")
+        .env_remove("INSTA_UPDATE")
+        .output()
+        .expect("run parity")
+}
+
+fn code(o: &Output) -> i32 {
+    o.status.code().unwrap_or(-1)
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn snapshots(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut v: Vec<(PathBuf, Vec<u8>)> = std::fs::read_dir(dir)
+        .map(|rd| rd.flatten().map(|e| (e.path(), std::fs::read(e.path()).unwrap_or_default())).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn fixture_suite_passes_and_matches_the_accepted_snapshots_byte_for_byte() {
+    let o = parity(&["run", "suites/fixtures.toml", "--update", "no"]);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    assert!(text(&o).contains("0 failed"), "{}", text(&o));
+}
+
+#[test]
+fn snapshots_are_written_for_review_then_stable_once_accepted() {
+    let reports = common::scratch("cli-snapshots");
+    let r = reports.to_str().unwrap();
+    let args = ["run", "suites/fixtures.toml", "--scenario", "single", "--scenario", "rollback", "--reports", r];
+    // No accepted snapshots yet: an unaccepted change, exit 1, .snap.new written.
+    let o = parity(&args);
+    assert_eq!(code(&o), 1, "{}", text(&o));
+    let dir = reports.join("fixtures");
+    assert!(snapshots(&dir).iter().all(|(p, _)| p.to_string_lossy().ends_with(".snap.new")));
+    // `review` shows them and exits 1 (pending); `accept` accepts.
+    let o = parity(&["review", dir.to_str().unwrap()]);
+    assert_eq!(code(&o), 1);
+    assert!(text(&o).contains("new snapshot"), "{}", text(&o));
+    assert_eq!(code(&parity(&["accept", dir.to_str().unwrap()])), 0);
+    let accepted = snapshots(&dir);
+    assert_eq!(accepted.len(), 5, "3 checkpoints x 2 scenarios, but the 8-bit one runs no rollback");
+    // A second run is byte-identical: exit 0, nothing new written.
+    let o = parity(&args);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    assert_eq!(snapshots(&dir), accepted);
+    // A changed snapshot is a failure and leaves a .snap.new next to it.
+    let (first, content) = &accepted[0];
+    std::fs::write(first, String::from_utf8_lossy(content).replace("identical", "near-tie")).unwrap();
+    let o = parity(&args);
+    assert_eq!(code(&o), 1, "{}", text(&o));
+    assert!(Path::new(&format!("{}.new", first.display())).exists());
+}
+
+#[test]
+fn a_planted_fault_fails_the_run_with_exit_1_and_reports_the_location() {
+    let json = common::scratch("cli-fault").join("r.json");
+    let o = parity(&[
+        "run",
+        "suites/fixtures.toml",
+        "--scenario",
+        "batch2",
+        "--fault",
+        "rope-batch-alias",
+        "--json",
+        json.to_str().unwrap(),
+        "--filter",
+        "llama-tiny/",
+    ]);
+    assert_eq!(code(&o), 1, "{}", text(&o));
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report["faults"][0], "rope-batch-alias");
+    let failing: Vec<&serde_json::Value> =
+        report["rows"].as_array().unwrap().iter().filter(|r| r["pass"] == false).collect();
+    assert!(!failing.is_empty());
+    let d = &failing[0]["first_divergence"];
+    assert_eq!(d["batch_row"], 1, "the aliased row is batch row 1: {d}");
+    assert!(report["summary"]["failed"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn suite_errors_exit_2_with_file_line_and_column() {
+    let dir = common::scratch("cli-bad-suite");
+    let file = dir.join("bad.toml");
+    std::fs::write(&file, "name = \"bad\"\n[settings]\ntile = 12\n[[prompts]]\nname = \"p\"\ntext = \"x\"\n[[checkpoints]]\nrepo = \"a/b\"\n").unwrap();
+    let o = parity(&["run", file.to_str().unwrap()]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("bad.toml:3:8: settings.tile: 12 is not a multiple of 8"), "{}", text(&o));
+    let o = parity(&["run", "suites/fixtures.toml", "--shard", "3/2"]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+}
+
+/// A suite with an absent checkpoint, a broken one and a good one.
+fn mixed_suite(dir: &Path) -> PathBuf {
+    let broken = dir.join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::write(broken.join("config.json"), "{\"model_type\": \"mamba\"}").unwrap();
+    let fixture = common::repo().join("fixtures/llama-tiny.toml");
+    let file = dir.join("mixed.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "name = \"mixed\"\nscenarios = [\"single\"]\n[settings]\nmax_tokens = 4\n[[prompts]]\nname = \"p\"\ntext = \"hello there\"\n\
+             [[checkpoints]]\nrepo = \"nobody/absent-model\"\n\
+             [[checkpoints]]\nname = \"broken\"\npath = \"{}\"\n\
+             [[checkpoints]]\npath = \"{}\"\n",
+            broken.display(),
+            fixture.display()
+        ),
+    )
+    .unwrap();
+    file
+}
+
+#[test]
+fn absent_and_broken_checkpoints_do_not_stop_the_others() {
+    let dir = common::scratch("cli-mixed");
+    let file = mixed_suite(&dir);
+    let json = dir.join("r.json");
+    let o = Command::new(env!("CARGO_BIN_EXE_parity"))
+        .args(["run", file.to_str().unwrap(), "--no-snapshots", "--json", json.to_str().unwrap()])
+        .env("HF_HUB_CACHE", dir.join("empty-cache"))
+        .output()
+        .unwrap();
+    // The broken checkpoint fails the run; the good one still ran and passed.
+    assert_eq!(code(&o), 1, "{}", text(&o));
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let status: Vec<&str> =
+        r["checkpoints"].as_array().unwrap().iter().map(|c| c["status"].as_str().unwrap()).collect();
+    assert_eq!(status, ["skipped", "error", "ran"]);
+    let absent = &r["checkpoints"][0]["reason"];
+    assert!(absent.as_str().unwrap().contains("huggingface-cli download nobody/absent-model"), "{absent}");
+    assert!(r["checkpoints"][1]["reason"].as_str().unwrap().contains("unsupported model_type `mamba`"));
+    let good: Vec<&serde_json::Value> =
+        r["rows"].as_array().unwrap().iter().filter(|x| x["checkpoint"] == "llama-tiny").collect();
+    assert!(!good.is_empty() && good.iter().all(|x| x["pass"] == true));
+}
+
+#[test]
+fn bisect_skips_unjudgeable_commits_with_125_and_require_models_fails() {
+    let dir = common::scratch("cli-bisect");
+    let file = dir.join("absent.toml");
+    std::fs::write(
+        &file,
+        "name = \"absent\"\n[[prompts]]\nname = \"p\"\ntext = \"x\"\n[[checkpoints]]\nrepo = \"nobody/absent-model\"\n",
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_parity"))
+            .args(["run", file.to_str().unwrap(), "--no-snapshots"])
+            .args(extra)
+            .env("HF_HUB_CACHE", dir.join("empty-cache"))
+            .output()
+            .unwrap()
+    };
+    assert_eq!(code(&run(&[])), 0, "absent models are skipped by default");
+    assert_eq!(code(&run(&["--bisect"])), 125);
+    assert_eq!(code(&run(&["--require-models"])), 1);
+}
+
+#[test]
+fn shards_partition_the_suite_and_merge_back() {
+    let dir = common::scratch("cli-shards");
+    let path = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let base = ["run", "suites/fixtures.toml", "--no-snapshots", "--filter", "llama-tiny/"];
+    let mut full = base.to_vec();
+    let full_json = path("full.json");
+    full.extend(["--json", &full_json]);
+    assert_eq!(code(&parity(&full)), 0);
+    for (i, name) in [(1, "s1.json"), (2, "s2.json")] {
+        let shard = format!("{i}/2");
+        let out = path(name);
+        let mut args = base.to_vec();
+        args.extend(["--shard", &shard, "--json", &out]);
+        assert_eq!(code(&parity(&args)), 0);
+    }
+    let merged = path("merged.json");
+    let o = parity(&["merge", &path("s2.json"), &path("s1.json"), "--json", &merged]);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    let load = |p: &str| -> serde_json::Value { serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
+    let (full, merged, s1) = (load(&full_json), load(&merged), load(&path("s1.json")));
+    let key = |r: &serde_json::Value| {
+        format!("{}/{}/{}/{}/{}", r["checkpoint"], r["prompt"], r["scenario"], r["case"], r["backend"])
+    };
+    let mut a: Vec<String> = full["rows"].as_array().unwrap().iter().map(key).collect();
+    let mut b: Vec<String> = merged["rows"].as_array().unwrap().iter().map(key).collect();
+    a.sort();
+    b.sort();
+    assert_eq!(a, b, "the shards together cover the suite exactly once");
+    assert!(s1["rows"].as_array().unwrap().len() < full["rows"].as_array().unwrap().len());
+    assert_eq!(merged["summary"]["rows"], full["summary"]["rows"]);
+}
+
+#[test]
+fn generate_json_and_bad_checkpoint_errors() {
+    let o = parity(&[
+        "generate",
+        "fixtures/qwen3-tiny.toml",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "3",
+        "--json",
+        "--kv",
+        "paged",
+        "--block-size",
+        "4",
+    ]);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["prompt_ids"], serde_json::json!([104, 105]));
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 3);
+    let o = parity(&["generate", "/nonexistent/model", "--prompt", "hi"]);
+    assert_ne!(code(&o), 0);
+    assert!(text(&o).contains("/nonexistent/model") && !text(&o).contains("panicked"), "{}", text(&o));
+    let o = parity(&["inspect", "fixtures/llama-tiny-8bit.toml"]);
+    assert_eq!(code(&o), 0);
+    assert!(text(&o).contains("affine, 8 bits, group 64"), "{}", text(&o));
+}
