@@ -30,7 +30,7 @@ pub struct PoolOptions {
 
 impl Default for PoolOptions {
     fn default() -> Self {
-        PoolOptions { block_size: 32, slab_blocks: 64, max_blocks: None, poison: false }
+        PoolOptions { block_size: 32, slab_blocks: 16, max_blocks: None, poison: false }
     }
 }
 
@@ -294,28 +294,42 @@ impl KvCache for PagedBlockPool {
                 s.table.len()
             )));
         }
-        let mut ks = Vec::with_capacity(blocks);
-        let mut vs = Vec::with_capacity(blocks);
+        if blocks == 0 {
+            return Err(Error::Kv(format!("sequence {} is empty", seq.0)));
+        }
+        // One gather per run of consecutive table blocks that live in the same slab (usually
+        // a single run): row indices into the slab viewed as `[slab_blocks * bs, H, D]`.
+        let mut runs: Vec<(usize, Vec<i32>)> = Vec::new();
         for (i, &block) in s.table[..blocks].iter().enumerate() {
             let rows = (visible - i * bs).min(bs) as i32;
             let (slab, local) = self.slot(block);
-            let (k, v) = &self.slabs[layer][slab];
+            let first = local * bs as i32;
+            if runs.last().is_none_or(|r| r.0 != slab) {
+                runs.push((slab, Vec::with_capacity(visible)));
+            }
+            let Some((_, idx)) = runs.last_mut() else { continue };
             if self.faults.has(Fault::GatherOffByOne) && i + 1 == blocks && rows > 1 {
-                let idx: Vec<i32> = std::iter::once(0).chain(0..rows - 1).collect();
-                let idx = Array::from_slice(&idx, &[rows]);
-                ks.push(k.index((local..local + 1, .., .., ..)).take_axis(&idx, 1)?);
-                vs.push(v.index((local..local + 1, .., .., ..)).take_axis(&idx, 1)?);
+                idx.extend(std::iter::once(first).chain(first..first + rows - 1));
             } else {
-                ks.push(k.index((local..local + 1, 0..rows, .., ..)));
-                vs.push(v.index((local..local + 1, 0..rows, .., ..)));
+                idx.extend(first..first + rows);
             }
         }
-        if ks.is_empty() {
-            return Err(Error::Kv(format!("sequence {} is empty", seq.0)));
+        let flat = [(self.opts.slab_blocks * bs) as i32, self.shape.kv_heads as i32, self.shape.head_dim as i32];
+        let mut ks = Vec::with_capacity(runs.len());
+        let mut vs = Vec::with_capacity(runs.len());
+        for (slab, idx) in runs {
+            let idx = Array::from_slice(&idx, &[idx.len() as i32]);
+            let (k, v) = &self.slabs[layer][slab];
+            ks.push(k.reshape(&flat)?.take_axis(&idx, 0)?);
+            vs.push(v.reshape(&flat)?.take_axis(&idx, 0)?);
         }
-        let k = mlx_rs::ops::concatenate(&ks, 1)?.transpose_axes(&[0, 2, 1, 3])?;
-        let v = mlx_rs::ops::concatenate(&vs, 1)?.transpose_axes(&[0, 2, 1, 3])?;
-        Ok((k, v))
+        let (k, v) = if ks.len() == 1 {
+            (ks.swap_remove(0), vs.swap_remove(0))
+        } else {
+            (mlx_rs::ops::concatenate(&ks, 0)?, mlx_rs::ops::concatenate(&vs, 0)?)
+        };
+        // [len, H, D] -> [1, H, len, D]
+        Ok((k.transpose_axes(&[1, 0, 2])?.expand_dims(0)?, v.transpose_axes(&[1, 0, 2])?.expand_dims(0)?))
     }
 
     fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize> {

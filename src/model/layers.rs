@@ -49,6 +49,8 @@ impl Linear {
                 if opts.dequantize {
                     let dense =
                         mlx_rs::ops::dequantize(&weight, &scales, &biases, spec.group_size as i32, spec.bits as i32)?;
+                    // Materialise now: the cost belongs to loading, and the packed form is freed.
+                    dense.eval()?;
                     return Ok(Linear::Dense { weight: dense, bias });
                 }
                 Ok(Linear::Quantized { weight, scales, biases, bias, spec })
