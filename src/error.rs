@@ -7,7 +7,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("checkpoint `{reference}` not found; looked in:\n{}\n{hint}", searched_list(.searched))]
+    /// The first line is a complete sentence with the fix (reports show only it); the places
+    /// searched follow.
+    #[error("checkpoint `{reference}` not found locally; {hint}\nlooked in:\n{}", searched_list(.searched))]
     CheckpointNotFound { reference: String, searched: Vec<PathBuf>, hint: String },
 
     #[error("{file}: {message}")]

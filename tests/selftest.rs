@@ -18,7 +18,12 @@ fn every_fault_is_caught_on_the_llama_fixture_and_the_clean_run_passes() {
     assert!(report.ok());
     // Each fault is caught where README says it is.
     let caught_by = |fault: &str, scenario: &str| {
-        report.faults.iter().find(|f| f.fault == fault).and_then(|f| f.scenarios.get(scenario)).is_some_and(|c| c.failed_rows > 0)
+        report
+            .faults
+            .iter()
+            .find(|f| f.fault == fault)
+            .and_then(|f| f.scenarios.get(scenario))
+            .is_some_and(|c| c.failed_rows > 0)
     };
     assert!(caught_by("rope-batch-alias", "batch2"));
     assert!(caught_by("paged-trim-noop", "padded") && caught_by("paged-trim-noop", "rollback"));

@@ -5,7 +5,7 @@
 mod common;
 
 use parity::compare::Verdict;
-use parity::run::{run_suite, NoProgress, RunOptions};
+use parity::run::{NoProgress, RunOptions, run_suite};
 use parity::scenario::Scenario;
 
 #[test]
@@ -23,7 +23,16 @@ fn padded_batch2_and_concurrent_match_the_dense_reference() {
     assert_eq!(report.checkpoints[0].dequantized, true, "the CPU suite dequantizes at load, and says so");
     assert!(report.summary.rows >= 40, "{:?}", report.summary);
     for r in &report.rows {
-        assert_eq!(r.verdict, Verdict::Identical, "{}/{}:{}/{}: {:?}", r.prompt, r.scenario, r.case, r.backend, r.failure);
+        assert_eq!(
+            r.verdict,
+            Verdict::Identical,
+            "{}/{}:{}/{}: {:?}",
+            r.prompt,
+            r.scenario,
+            r.case,
+            r.backend,
+            r.failure
+        );
         assert!(r.pass);
         // Same arithmetic up to the GEMM shape (a 64-row padded prefill blocks differently
         // from a 37-row one): float32 noise, far below the 1e-3 tolerance.

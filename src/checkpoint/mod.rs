@@ -84,9 +84,8 @@ pub fn resolve_in(reference: &str, base: &Path, hf_cache: Option<PathBuf>) -> Re
             reference: reference.to_string(),
             searched,
             hint: format!(
-                "parity never downloads. Fetch it on a machine with network access, e.g.\n  \
-                 huggingface-cli download {reference}\n\
-                 (or set HF_HUB_CACHE / HF_HOME to a cache that has it)"
+                "fetch it with `huggingface-cli download {reference}` where there is network (parity never \
+                 downloads), or point HF_HUB_CACHE / HF_HOME at a cache that has it"
             ),
         });
     }

@@ -94,6 +94,8 @@ impl Tokenizer {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
+        // No `strftime_now`: Llama 3.1+ templates then use their fixed fallback date instead of
+        // today's, so a prompt encodes to the same tokens every day (stable snapshots).
         env.add_template("chat", &tpl.source).map_err(|e| Error::Tokenizer {
             file: tpl.file.clone(),
             message: format!("chat template does not parse: {e}"),

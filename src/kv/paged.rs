@@ -314,12 +314,13 @@ impl KvCache for PagedBlockPool {
                 idx.extend(first..first + rows);
             }
         }
-        let flat = [(self.opts.slab_blocks * bs) as i32, self.shape.kv_heads as i32, self.shape.head_dim as i32];
         let mut ks = Vec::with_capacity(runs.len());
         let mut vs = Vec::with_capacity(runs.len());
         for (slab, idx) in runs {
             let idx = Array::from_slice(&idx, &[idx.len() as i32]);
             let (k, v) = &self.slabs[layer][slab];
+            // The last slab may be short (a block budget that is not a multiple of slab_blocks).
+            let flat = [k.shape()[0] * bs as i32, self.shape.kv_heads as i32, self.shape.head_dim as i32];
             ks.push(k.reshape(&flat)?.take_axis(&idx, 0)?);
             vs.push(v.reshape(&flat)?.take_axis(&idx, 0)?);
         }
@@ -582,6 +583,18 @@ mod tests {
         }
         assert_eq!(paged.len(s).unwrap(), 12);
         assert_eq!(paged.stats().blocks_in_use, 3);
+    }
+
+    #[test]
+    fn a_short_last_slab_is_read_correctly() {
+        // Budget 5 with slabs of 2: the third slab holds a single block.
+        let opts = PoolOptions { block_size: 4, slab_blocks: 2, max_blocks: Some(5), poison: true };
+        let mut paged = PagedBlockPool::new(SHAPE, opts, Faults::NONE).unwrap();
+        let mut dense = DenseCache::new(SHAPE);
+        let (p, d) = (paged.create(0).unwrap(), dense.create(0).unwrap());
+        append(&mut [&mut paged, &mut dense], &[p, d], 3, 19);
+        assert_eq!(paged.stats().blocks_reserved, 5);
+        assert_same(&dense, d, &paged, p, "five blocks over three slabs");
     }
 
     #[test]
