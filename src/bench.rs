@@ -71,12 +71,10 @@ pub struct BenchOptions {
 
 /// One repetition: prefill each row (timing row 0's time to first token), then `decode`
 /// batched greedy steps.
-fn once(
-    model: &Model,
-    kv: &mut dyn KvCache,
-    lengths: &[usize],
-    decode: usize,
-) -> Result<(f64, f64, f64, KvStats, Vec<u32>)> {
+/// Prefill tok/s, decode tok/s, TTFT ms, KV stats after decode, row 0's tokens.
+type Sample = (f64, f64, f64, KvStats, Vec<u32>);
+
+fn once(model: &Model, kv: &mut dyn KvCache, lengths: &[usize], decode: usize) -> Result<Sample> {
     let vocab = model.config.vocab_size;
     let mut seqs = Vec::new();
     let mut next = Vec::new();
@@ -115,30 +113,28 @@ pub fn bench(model: &Model, backends: &[Backend], batches: &[usize], o: BenchOpt
     let mut rows = Vec::new();
     for &batch in batches {
         let lengths = ragged_lengths(o.prompt_len, batch);
+        // Warm-up: first-touch allocation and MLX's lazy initialisation, not measured.
         for &backend in backends {
-            // Warm-up: first-touch allocation and MLX's lazy initialisation, not measured.
             once(model, h.kv(backend)?.as_mut(), &lengths, o.decode.min(4))?;
-            let (mut p, mut d, mut t) = (Vec::new(), Vec::new(), Vec::new());
-            let mut last = None;
-            for _ in 0..o.reps.max(1) {
-                let (pt, dt, ttft, stats, tokens) = once(model, h.kv(backend)?.as_mut(), &lengths, o.decode)?;
-                p.push(pt);
-                d.push(dt);
-                t.push(ttft);
-                if last.is_none() {
-                    last = Some((stats, tokens));
-                } else if let Some(l) = last.as_mut() {
-                    l.0 = stats;
-                }
+        }
+        // Repetitions alternate the backends, so drift in a shared machine's speed lands on
+        // both sides of the ratio instead of on one.
+        let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); backends.len()];
+        for _ in 0..o.reps.max(1) {
+            for (i, &backend) in backends.iter().enumerate() {
+                samples[i].push(once(model, h.kv(backend)?.as_mut(), &lengths, o.decode)?);
             }
-            let (kv, tokens) = last.unwrap_or_default();
+        }
+        for (&backend, s) in backends.iter().zip(samples) {
+            let kv = s.last().map(|x| x.3).unwrap_or_default();
+            let tokens = s.first().map(|x| x.4.clone()).unwrap_or_default();
             rows.push(BenchRow {
                 backend,
                 batch,
                 prompt_lengths: lengths.clone(),
-                prefill_tps: Spread::of(p),
-                decode_tps: Spread::of(d),
-                ttft_ms: Spread::of(t),
+                prefill_tps: Spread::of(s.iter().map(|x| x.0).collect()),
+                decode_tps: Spread::of(s.iter().map(|x| x.1).collect()),
+                ttft_ms: Spread::of(s.iter().map(|x| x.2).collect()),
                 kv,
                 tokens,
             });

@@ -8,6 +8,7 @@
 //! are filled with NaN, so any read of a row that should be gone turns the logits into NaN —
 //! a loud failure instead of a slight drift.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 
 use mlx_rs::Array;
@@ -39,6 +40,23 @@ struct PagedSeq {
     len: usize,
     masked_prefix: usize,
     table: Vec<usize>,
+    /// The last gather's row indices, reused by every layer of a step. Keyed by what it was
+    /// built from and checked on every use, so it can never outlive a change of length or
+    /// table (no invalidation to forget).
+    gather: RefCell<Option<GatherPlan>>,
+}
+
+struct GatherPlan {
+    visible: usize,
+    blocks: Vec<usize>,
+    /// Per run of consecutive blocks in one slab: the slab and its row indices.
+    runs: Vec<(usize, Array)>,
+}
+
+impl PagedSeq {
+    fn new(len: usize, masked_prefix: usize, table: Vec<usize>) -> Self {
+        PagedSeq { len, masked_prefix, table, gather: RefCell::new(None) }
+    }
 }
 
 pub struct PagedBlockPool {
@@ -183,6 +201,29 @@ impl PagedBlockPool {
         Ok(())
     }
 
+    /// Row indices of `visible` rows spread over `table`: one gather per run of consecutive
+    /// blocks that live in the same slab (usually a single run), indexing the slab viewed as
+    /// `[blocks * bs, H, D]`.
+    fn gather_runs(&self, table: &[usize], visible: usize) -> Vec<(usize, Array)> {
+        let bs = self.opts.block_size;
+        let mut runs: Vec<(usize, Vec<i32>)> = Vec::new();
+        for (i, &block) in table.iter().enumerate() {
+            let rows = (visible - i * bs).min(bs) as i32;
+            let (slab, local) = self.slot(block);
+            let first = local * bs as i32;
+            if runs.last().is_none_or(|r| r.0 != slab) {
+                runs.push((slab, Vec::with_capacity(visible)));
+            }
+            let Some((_, idx)) = runs.last_mut() else { continue };
+            if self.faults.has(Fault::GatherOffByOne) && i + 1 == table.len() && rows > 1 {
+                idx.extend(std::iter::once(first).chain(first..first + rows - 1));
+            } else {
+                idx.extend(first..first + rows);
+            }
+        }
+        runs.into_iter().map(|(slab, idx)| (slab, Array::from_slice(&idx, &[idx.len() as i32]))).collect()
+    }
+
     fn copy_block(&mut self, src: usize, dst: usize) -> Result<()> {
         let (ss, sl) = self.slot(src);
         let (ds, dl) = self.slot(dst);
@@ -204,7 +245,7 @@ impl KvCache for PagedBlockPool {
     fn create(&mut self, masked_prefix: usize) -> Result<SeqId> {
         let id = SeqId(self.next_id);
         self.next_id += 1;
-        self.seqs.insert(id, PagedSeq { len: 0, masked_prefix, table: Vec::new() });
+        self.seqs.insert(id, PagedSeq::new(0, masked_prefix, Vec::new()));
         Ok(id)
     }
 
@@ -270,10 +311,16 @@ impl KvCache for PagedBlockPool {
         for (block, off, count, src) in spans {
             let (slab, local) = self.slot(block);
             let (ks, vs) = &mut self.slabs[layer][slab];
-            let src = src as i32..(src + count) as i32;
             let dst = (local..local + 1, off as i32..(off + count) as i32, .., ..);
-            ks.try_index_mut(dst.clone(), &k.index((.., src.clone(), .., ..)))?;
-            vs.try_index_mut(dst, &v.index((.., src, .., ..)))?;
+            if count == n {
+                // The whole input in one block (every decode step): no slicing.
+                ks.try_index_mut(dst.clone(), &k)?;
+                vs.try_index_mut(dst, &v)?;
+            } else {
+                let src = src as i32..(src + count) as i32;
+                ks.try_index_mut(dst.clone(), &k.index((.., src.clone(), .., ..)))?;
+                vs.try_index_mut(dst, &v.index((.., src, .., ..)))?;
+            }
         }
         Ok(())
     }
@@ -297,32 +344,23 @@ impl KvCache for PagedBlockPool {
         if blocks == 0 {
             return Err(Error::Kv(format!("sequence {} is empty", seq.0)));
         }
-        // One gather per run of consecutive table blocks that live in the same slab (usually
-        // a single run): row indices into the slab viewed as `[slab_blocks * bs, H, D]`.
-        let mut runs: Vec<(usize, Vec<i32>)> = Vec::new();
-        for (i, &block) in s.table[..blocks].iter().enumerate() {
-            let rows = (visible - i * bs).min(bs) as i32;
-            let (slab, local) = self.slot(block);
-            let first = local * bs as i32;
-            if runs.last().is_none_or(|r| r.0 != slab) {
-                runs.push((slab, Vec::with_capacity(visible)));
-            }
-            let Some((_, idx)) = runs.last_mut() else { continue };
-            if self.faults.has(Fault::GatherOffByOne) && i + 1 == blocks && rows > 1 {
-                idx.extend(std::iter::once(first).chain(first..first + rows - 1));
-            } else {
-                idx.extend(first..first + rows);
-            }
+        let mut cached = s.gather.borrow_mut();
+        if !cached.as_ref().is_some_and(|p| p.visible == visible && p.blocks == s.table[..blocks]) {
+            *cached = Some(GatherPlan {
+                visible,
+                blocks: s.table[..blocks].to_vec(),
+                runs: self.gather_runs(&s.table[..blocks], visible),
+            });
         }
+        let runs = cached.as_ref().map(|p| p.runs.as_slice()).unwrap_or_default();
         let mut ks = Vec::with_capacity(runs.len());
         let mut vs = Vec::with_capacity(runs.len());
         for (slab, idx) in runs {
-            let idx = Array::from_slice(&idx, &[idx.len() as i32]);
-            let (k, v) = &self.slabs[layer][slab];
+            let (k, v) = &self.slabs[layer][*slab];
             // The last slab may be short (a block budget that is not a multiple of slab_blocks).
             let flat = [k.shape()[0] * bs as i32, self.shape.kv_heads as i32, self.shape.head_dim as i32];
-            ks.push(k.reshape(&flat)?.take_axis(&idx, 0)?);
-            vs.push(v.reshape(&flat)?.take_axis(&idx, 0)?);
+            ks.push(k.reshape(&flat)?.take_axis(idx, 0)?);
+            vs.push(v.reshape(&flat)?.take_axis(idx, 0)?);
         }
         let (k, v) = if ks.len() == 1 {
             (ks.swap_remove(0), vs.swap_remove(0))
@@ -383,7 +421,7 @@ impl KvCache for PagedBlockPool {
         }
         let id = SeqId(self.next_id);
         self.next_id += 1;
-        self.seqs.insert(id, PagedSeq { len: rows, masked_prefix, table });
+        self.seqs.insert(id, PagedSeq::new(rows, masked_prefix, table));
         Ok(Some(id))
     }
 

@@ -34,6 +34,8 @@ pub struct StepContext<'a> {
     pub rows: &'a [RowStep],
     /// First KV row of each row's new tokens, as reserved in the cache.
     pub starts: &'a [usize],
+    /// Each row's RoPE offset for this step (see [`rope_offsets`]).
+    pub offsets: Vec<i32>,
     pub rope: &'a Rope,
     pub faults: Faults,
 }
@@ -79,7 +81,7 @@ impl Attention {
         let k = split(self.k_proj.forward(x)?, self.kv_heads, &self.k_norm)?;
         let v = split(self.v_proj.forward(x)?, self.kv_heads, &None)?;
 
-        let offsets = rope_offsets(kv, ctx)?;
+        let offsets = &ctx.offsets;
         let aliased = ctx.faults.has(Fault::RopeBatchAlias) && b > 1 && t == 1;
         let (q, k) = if aliased {
             (ctx.rope.apply_batch_aliased(&q, offsets[0])?, ctx.rope.apply_batch_aliased(&k, offsets[0])?)
@@ -90,15 +92,18 @@ impl Attention {
         let mut outs = Vec::with_capacity(b as usize);
         for (i, row) in ctx.rows.iter().enumerate() {
             let r = i as i32;
-            let (mut qr, mut kr) = (q.index((r..r + 1, .., .., ..)), k.index((r..r + 1, .., .., ..)));
+            // One row needs no slicing (B = 1 is the hot path of single-sequence decode).
+            let row_of = |x: &Array| if b == 1 { x.clone() } else { x.index((r..r + 1, .., .., ..)) };
+            let (mut qr, mut kr) = (row_of(&q), row_of(&k));
             if !aliased {
                 qr = ctx.rope.apply(&qr, offsets[i])?;
                 kr = ctx.rope.apply(&kr, offsets[i])?;
             }
-            let vr = v.index((r..r + 1, .., .., ..));
+            let vr = row_of(&v);
             kv.write(layer, row.seq, ctx.starts[i], &kr, &vr)?;
             let (keys, values) = kv.read(layer, row.seq)?;
             let masked = kv.masked_prefix(row.seq)?;
+            // Only left-padded rows need an explicit mask; its width is the keys actually read.
             let out = if masked > 0 && !ctx.faults.has(Fault::PadUnmasked) {
                 let mask = prefix_mask(ctx.starts[i], t as usize, keys.shape()[2] as usize, masked);
                 mlx_rs::fast::scaled_dot_product_attention(&qr, &keys, &values, self.scale, &mask, None)?
@@ -117,7 +122,7 @@ impl Attention {
             };
             outs.push(out);
         }
-        let out = mlx_rs::ops::concatenate(&outs, 0)?; // [B, H, T, D]
+        let out = if outs.len() == 1 { outs.swap_remove(0) } else { mlx_rs::ops::concatenate(&outs, 0)? }; // [B, H, T, D]
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, t, self.heads * self.head_dim])?;
         self.o_proj.forward(&out)
     }
@@ -125,12 +130,12 @@ impl Attention {
 
 /// Each row's RoPE offset: its first new KV row minus its masked (left-pad) prefix. Derived
 /// from the cache's counter on every call; there is no second copy to drift.
-fn rope_offsets(kv: &dyn KvCache, ctx: &StepContext) -> Result<Vec<i32>> {
-    let mut offsets = Vec::with_capacity(ctx.rows.len());
-    for (row, &start) in ctx.rows.iter().zip(ctx.starts) {
+pub fn rope_offsets(kv: &dyn KvCache, rows: &[RowStep], starts: &[usize], faults: Faults) -> Result<Vec<i32>> {
+    let mut offsets = Vec::with_capacity(rows.len());
+    for (row, &start) in rows.iter().zip(starts) {
         offsets.push(start as i32 - kv.masked_prefix(row.seq)? as i32);
     }
-    if ctx.faults.has(Fault::BatchRowSwap) && offsets.len() > 1 && ctx.rows[0].tokens.len() == 1 {
+    if faults.has(Fault::BatchRowSwap) && offsets.len() > 1 && rows[0].tokens.len() == 1 {
         offsets.swap(0, 1);
     }
     Ok(offsets)

@@ -178,7 +178,9 @@ impl Model {
         let ids: Vec<i32> = rows.iter().flat_map(|r| r.tokens.iter().map(|&x| x as i32)).collect();
         let ids = Array::from_slice(&ids, &[b, t as i32]);
         let mut x = self.embed.forward(&ids)?;
-        let ctx = attention::StepContext { rows, starts: &starts, rope: &self.rope, faults: self.faults.get() };
+        let faults = self.faults.get();
+        let offsets = attention::rope_offsets(kv, rows, &starts, faults)?;
+        let ctx = attention::StepContext { rows, starts: &starts, offsets, rope: &self.rope, faults };
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = block.attn.forward(&block.input_norm.forward(&x)?, layer, kv, &ctx)?;
             x = x.add(&h)?;

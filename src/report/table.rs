@@ -86,6 +86,16 @@ pub fn render(report: &Report, color: bool) -> String {
         let _ = writeln!(out, "{} {}: {}", paint.yellow("SKIP"), c.name, first_line(c.reason.as_deref()));
     }
 
+    // Where the time went, per checkpoint that ran: what a suite costs, phase by phase.
+    let timed: Vec<&CheckpointReport> =
+        report.checkpoints.iter().filter(|c| c.status == CheckpointStatus::Ran && !c.phases.is_empty()).collect();
+    if !timed.is_empty() {
+        out.push('\n');
+    }
+    for c in timed {
+        let _ = writeln!(out, "time  {}: {}", c.name, phase_line(c));
+    }
+
     let s = &report.summary;
     out.push('\n');
     for name in &s.snapshot_changes {
@@ -106,6 +116,20 @@ pub fn render(report: &Report, color: bool) -> String {
     let last = if report.failed() { paint.red(&last) } else { paint.green(&last) };
     let _ = writeln!(out, "{last}");
     out
+}
+
+/// `load 0.10s, reference 0.31s, single 0.20s, ...`: phases in order, a scenario's backends
+/// summed (phases are named `<scenario> <backend>`).
+fn phase_line(c: &CheckpointReport) -> String {
+    let mut merged: Vec<(String, f64)> = Vec::new();
+    for p in &c.phases {
+        let name = p.name.split(' ').next().unwrap_or(&p.name).to_string();
+        match merged.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, secs)) => *secs += p.seconds,
+            None => merged.push((name, p.seconds)),
+        }
+    }
+    merged.iter().map(|(n, s)| format!("{n} {s:.2}s")).collect::<Vec<_>>().join(", ")
 }
 
 /// A row that counts as failed in the summary (see `Summary::of`).
