@@ -69,11 +69,11 @@ pub struct BenchOptions {
     pub block_size: usize,
 }
 
-/// One repetition: prefill each row (timing row 0's time to first token), then `decode`
-/// batched greedy steps.
 /// Prefill tok/s, decode tok/s, TTFT ms, KV stats after decode, row 0's tokens.
 type Sample = (f64, f64, f64, KvStats, Vec<u32>);
 
+/// One repetition: prefill each row (timing row 0's time to first token), then `decode`
+/// batched greedy steps.
 fn once(model: &Model, kv: &mut dyn KvCache, lengths: &[usize], decode: usize) -> Result<Sample> {
     let vocab = model.config.vocab_size;
     let mut seqs = Vec::new();

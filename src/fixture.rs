@@ -111,7 +111,7 @@ fn validate(s: &FixtureSpec, file: &Path) -> Result<()> {
     if s.vocab_size < 259 {
         return err("field `vocab_size`: must be at least 259 (256 bytes + 3 special tokens)".into());
     }
-    if s.num_attention_heads % s.num_key_value_heads != 0 {
+    if !s.num_attention_heads.is_multiple_of(s.num_key_value_heads) {
         return err("field `num_key_value_heads`: must divide num_attention_heads".into());
     }
     if !["float32", "bfloat16"].contains(&s.dtype.as_str()) {

@@ -193,10 +193,10 @@ impl Ctx<'_> {
         set(&mut s.max_tokens, "settings.max_tokens", &p.max_tokens, false)?;
         set(&mut s.block_size, "settings.block_size", &p.block_size, false)?;
         set(&mut s.tile, "settings.tile", &p.tile, false)?;
-        if let Some(t) = &p.tile {
-            if *t.get_ref() % 8 != 0 {
-                return Err(self.err(t.span(), format!("settings.tile: {} is not a multiple of 8", t.get_ref())));
-            }
+        if let Some(t) = &p.tile
+            && *t.get_ref() % 8 != 0
+        {
+            return Err(self.err(t.span(), format!("settings.tile: {} is not a multiple of 8", t.get_ref())));
         }
         set(&mut s.chunk, "settings.chunk", &p.chunk, false)?;
         set(&mut s.lookahead, "settings.lookahead", &p.lookahead, true)?;

@@ -2,7 +2,7 @@
 //! serde derive so that every error names the field and what was expected of it.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::Serialize;
 use serde_json::Value;
@@ -230,11 +230,6 @@ impl ModelConfig {
             pad_token_id: f.token_ids("pad_token_id")?.first().copied(),
         })
     }
-
-    /// Parameter count as stored (a packed uint32 counts for 32/bits weights).
-    pub fn describe_heads(&self) -> String {
-        format!("{} heads, {} KV heads, head_dim {}", self.num_heads, self.num_kv_heads, self.head_dim)
-    }
 }
 
 fn parse_rope_scaling(f: &Fields) -> Result<RopeScaling> {
@@ -271,10 +266,10 @@ fn parse_quant_spec(f: &Fields, field: &str, v: &Value) -> Result<QuantSpec> {
         .usize("group_size")
         .map_err(|_| f.err(&format!("{field}.group_size"), "missing or not a positive integer"))?;
     let bits = sub.usize("bits").map_err(|_| f.err(&format!("{field}.bits"), "missing or not a positive integer"))?;
-    if let Some(mode) = sub.get("mode").and_then(Value::as_str) {
-        if mode != "affine" {
-            return Err(f.err(&format!("{field}.mode"), format!("unsupported `{mode}`; only affine")));
-        }
+    if let Some(mode) = sub.get("mode").and_then(Value::as_str)
+        && mode != "affine"
+    {
+        return Err(f.err(&format!("{field}.mode"), format!("unsupported `{mode}`; only affine")));
     }
     if ![2, 3, 4, 5, 6, 8].contains(&bits) {
         return Err(f.err(&format!("{field}.bits"), format!("unsupported {bits}; MLX affine supports 2,3,4,5,6,8")));
@@ -306,9 +301,4 @@ fn parse_quantization(f: &Fields) -> Result<Option<Quantization>> {
         }
     }
     Ok(Some(Quantization { default, overrides }))
-}
-
-/// The directory a file lives in, for error messages about sibling files.
-pub fn config_path(dir: &Path) -> PathBuf {
-    dir.join("config.json")
 }

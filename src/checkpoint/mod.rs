@@ -118,10 +118,10 @@ fn hf_snapshot(repo: &Path) -> Option<PathBuf> {
 }
 
 fn expand_home(reference: &str) -> PathBuf {
-    if let Some(rest) = reference.strip_prefix("~/") {
-        if let Some(home) = std::env::var_os("HOME") {
-            return PathBuf::from(home).join(rest);
-        }
+    if let Some(rest) = reference.strip_prefix("~/")
+        && let Some(home) = std::env::var_os("HOME")
+    {
+        return PathBuf::from(home).join(rest);
     }
     PathBuf::from(reference)
 }

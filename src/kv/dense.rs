@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use mlx_rs::Array;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 
-use super::{Backend, KvCache, KvShape, KvStats, RowLocation, SeqId, check_kv_shape};
+use super::{Backend, KvCache, KvShape, KvStats, SeqId, check_kv_shape};
 use crate::error::{Error, Result};
 
 /// Buffers grow by this many rows at a time, so decode does not reallocate every step.
@@ -150,9 +150,5 @@ impl KvCache for DenseCache {
             peak_bytes_in_use: self.peak_bytes.max(held),
             ..KvStats::default()
         }
-    }
-
-    fn locate(&self, _seq: SeqId, _row: usize) -> Option<RowLocation> {
-        None
     }
 }

@@ -63,13 +63,6 @@ pub struct KvStats {
     pub blocks_reserved: usize,
 }
 
-/// Where a row of a sequence lives, for locating a divergence in layout terms.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct RowLocation {
-    pub block_index: usize,
-    pub offset_in_block: usize,
-}
-
 pub trait KvCache {
     fn backend(&self) -> Backend;
 
@@ -105,9 +98,6 @@ pub trait KvCache {
     fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<SeqId>>;
 
     fn stats(&self) -> KvStats;
-
-    /// Block and offset of row `row` of a sequence (paged), or `None` (dense).
-    fn locate(&self, seq: SeqId, row: usize) -> Option<RowLocation>;
 }
 
 /// K/V `[1, H, n, D]` shape check shared by both backends.

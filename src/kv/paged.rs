@@ -15,7 +15,7 @@ use mlx_rs::Array;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use serde::Serialize;
 
-use super::{Backend, KvCache, KvShape, KvStats, RowLocation, SeqId, check_kv_shape};
+use super::{Backend, KvCache, KvShape, KvStats, SeqId, check_kv_shape};
 use crate::error::{Error, Result};
 use crate::faults::{Fault, Faults};
 
@@ -387,7 +387,7 @@ impl KvCache for PagedBlockPool {
             self.unref(b)?;
         }
         // Rows trimmed off the last kept block are poisoned only if no one else sees them.
-        if self.opts.poison && new_len % bs != 0 {
+        if self.opts.poison && !new_len.is_multiple_of(bs) {
             let last = self.seq(seq)?.table[keep - 1];
             if self.refcount[last] == 1 {
                 let to = (len - (keep - 1) * bs).min(bs);
@@ -438,10 +438,6 @@ impl KvCache for PagedBlockPool {
             peak_blocks_in_use: self.peak_blocks,
             blocks_reserved: self.total_blocks(),
         }
-    }
-
-    fn locate(&self, _seq: SeqId, row: usize) -> Option<RowLocation> {
-        Some(RowLocation { block_index: row / self.opts.block_size, offset_in_block: row % self.opts.block_size })
     }
 }
 

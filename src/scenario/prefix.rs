@@ -19,7 +19,7 @@ use crate::model::RowStep;
 /// at least one token of the prompt unshared and ends mid-block.
 pub fn share_len(n: usize, bs: usize) -> usize {
     let mut s = n.saturating_sub(1);
-    while s > 1 && s % bs == 0 {
+    while s > 1 && s.is_multiple_of(bs) {
         s -= 1;
     }
     s

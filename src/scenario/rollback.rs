@@ -19,7 +19,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         prefill(h.model, kv.as_mut(), &mut live, &p.ids)?;
         let mut rollbacks = 0;
         while !live.done() {
-            if k > 0 && live.trace.tokens.len() % every == 0 {
+            if k > 0 && live.trace.tokens.len().is_multiple_of(every) {
                 let next = live.next_input()?;
                 let drafts: Vec<u32> = (0..k as u32).map(|d| (next + 1 + d) % vocab).collect();
                 h.model.forward(kv.as_mut(), &[RowStep::new(live.seq, drafts)])?;
