@@ -15,16 +15,7 @@ pub fn render(report: &Report) -> String {
     let verdict = if report.failed() { "FAIL" } else { "PASS" };
     let _ = writeln!(out, "## parity {}: {verdict}\n", cell(&report.suite));
     let s = &report.summary;
-    let _ = writeln!(
-        out,
-        "{}: {} passed, {} failed, {} skipped; {}; {:.2}s\n",
-        plural(s.rows, "row"),
-        s.passed,
-        s.failed,
-        s.skipped,
-        plural(s.snapshot_changes.len(), "snapshot change"),
-        s.seconds
-    );
+    let _ = writeln!(out, "{}\n", s.line());
     let env = &report.environment;
     let mut meta = format!(
         "Suite {}, parity {}, MLX {} on {} ({}/{})",

@@ -158,6 +158,20 @@ pub struct Summary {
 }
 
 impl Summary {
+    /// `N rows: P passed, F failed, S skipped; K snapshot changes; 1.23s`, as the table and the
+    /// Markdown summary both print it.
+    pub fn line(&self) -> String {
+        format!(
+            "{}: {} passed, {} failed, {} skipped; {}; {:.2}s",
+            table::plural(self.rows, "row"),
+            self.passed,
+            self.failed,
+            self.skipped,
+            table::plural(self.snapshot_changes.len(), "snapshot change"),
+            self.seconds
+        )
+    }
+
     pub fn of(rows: &[Row]) -> Summary {
         let mut s = Summary { rows: rows.len(), ..Summary::default() };
         for r in rows {

@@ -101,15 +101,7 @@ pub fn render(report: &Report, color: bool) -> String {
     for name in &s.snapshot_changes {
         let _ = writeln!(out, "snapshot changed: {name}");
     }
-    let mut last = format!(
-        "{}: {} passed, {} failed, {} skipped; {}; {:.2}s",
-        plural(s.rows, "row"),
-        s.passed,
-        s.failed,
-        s.skipped,
-        plural(s.snapshot_changes.len(), "snapshot change"),
-        s.seconds
-    );
+    let mut last = s.line();
     if let Some(shard) = report.shard {
         let _ = write!(last, " (shard {}/{})", shard.index, shard.count);
     }
