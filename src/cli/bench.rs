@@ -77,9 +77,26 @@ pub fn run(a: Args) -> Result<ExitCode> {
     print!("{}", bench::render(&rows));
 
     let mut mlx_lm = None;
+    let mut tokens_differ = false;
     if let Some(p) = &a.mlx_lm {
         let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
         let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
+        // A side-by-side figure is only worth printing for the same computation.
+        let same_setup = v["prompt_len"].as_u64() == Some(a.prompt_len as u64)
+            && v["decode"].as_u64() == Some(a.decode as u64)
+            && v["dtype"].as_str() == Some(model.dtype.name());
+        if !same_setup {
+            anyhow::bail!(
+                "{} was measured with prompt_len {}, decode {}, dtype {}; this run uses {}, {}, {}",
+                p.display(),
+                v["prompt_len"],
+                v["decode"],
+                v["dtype"],
+                a.prompt_len,
+                a.decode,
+                model.dtype.name()
+            );
+        }
         if let Some(ours) = rows.iter().find(|r| r.batch == 1 && r.backend == Backend::Dense) {
             let theirs = |k: &str| v[k]["median"].as_f64().unwrap_or(f64::NAN);
             let same = v["greedy_tokens"].as_array().map(|t| {
@@ -89,6 +106,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
                     .take(ours.tokens.len())
                     .eq(ours.tokens.iter().copied())
             });
+            tokens_differ = same == Some(false);
             println!(
                 "vs mlx-lm {} (B=1): decode {:.1} vs {:.1} tok/s (parity/mlx-lm {:.2}), prefill {:.1} vs {:.1} tok/s ({:.2}); greedy tokens {}",
                 v["mlx_lm_version"].as_str().unwrap_or("?"),
@@ -123,6 +141,10 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "mlx_lm": mlx_lm,
         });
         std::fs::write(p, serde_json::to_string_pretty(&out)?).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if tokens_differ {
+        eprintln!("error: parity and mlx-lm produced different greedy tokens for the same prompt");
+        return Ok(ExitCode::from(super::EXIT_FAIL));
     }
     Ok(ExitCode::SUCCESS)
 }
