@@ -73,30 +73,37 @@ pub fn run(a: Args) -> Result<ExitCode> {
         a.reps,
         load_secs
     );
+    // The mlx-lm baseline is checked before measuring: a side-by-side figure is only worth
+    // printing for the same computation.
+    let mlx_lm: Option<serde_json::Value> = match &a.mlx_lm {
+        None => None,
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
+            let same_setup = v["prompt_len"].as_u64() == Some(a.prompt_len as u64)
+                && v["decode"].as_u64() == Some(a.decode as u64)
+                && v["dtype"].as_str() == Some(model.dtype.name());
+            if !same_setup {
+                anyhow::bail!(
+                    "{} was measured with prompt_len {}, decode {}, dtype {}; this run uses {}, {}, {}",
+                    p.display(),
+                    v["prompt_len"],
+                    v["decode"],
+                    v["dtype"],
+                    a.prompt_len,
+                    a.decode,
+                    model.dtype.name()
+                );
+            }
+            Some(v)
+        }
+    };
     let rows = bench::bench(&model, &backends, &a.batch, opts)?;
     print!("{}", bench::render(&rows));
 
-    let mut mlx_lm = None;
     let mut tokens_differ = false;
-    if let Some(p) = &a.mlx_lm {
-        let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-        let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
-        // A side-by-side figure is only worth printing for the same computation.
-        let same_setup = v["prompt_len"].as_u64() == Some(a.prompt_len as u64)
-            && v["decode"].as_u64() == Some(a.decode as u64)
-            && v["dtype"].as_str() == Some(model.dtype.name());
-        if !same_setup {
-            anyhow::bail!(
-                "{} was measured with prompt_len {}, decode {}, dtype {}; this run uses {}, {}, {}",
-                p.display(),
-                v["prompt_len"],
-                v["decode"],
-                v["dtype"],
-                a.prompt_len,
-                a.decode,
-                model.dtype.name()
-            );
-        }
+    if let (Some(p), Some(v)) = (&a.mlx_lm, &mlx_lm) {
         if let Some(ours) = rows.iter().find(|r| r.batch == 1 && r.backend == Backend::Dense) {
             let theirs = |k: &str| v[k]["median"].as_f64().unwrap_or(f64::NAN);
             let same = v["greedy_tokens"].as_array().map(|t| {
@@ -123,7 +130,6 @@ pub fn run(a: Args) -> Result<ExitCode> {
                 }
             );
         }
-        mlx_lm = Some(v);
     }
     if let Some(p) = &a.json {
         let out = serde_json::json!({
