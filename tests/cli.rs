@@ -233,3 +233,28 @@ fn generate_json_and_bad_checkpoint_errors() {
     assert_eq!(code(&o), 0);
     assert!(text(&o).contains("affine, 8 bits, group 64"), "{}", text(&o));
 }
+
+/// The committed reports are insta snapshots as far as insta itself is concerned, which is
+/// what `cargo insta review` / `accept` rely on (checked by hand with cargo-insta 1.49 too).
+#[test]
+fn committed_reports_parse_with_insta() {
+    let mut checked = 0;
+    for suite in ["fixtures", "qwen3", "llama3"] {
+        let dir = common::repo().join("reports").join(suite);
+        for (path, bytes) in snapshots(&dir) {
+            let snap = insta::Snapshot::from_file(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let meta = snap.metadata();
+            assert_eq!(meta.source(), Some(format!("suites/{suite}.toml").as_str()), "{}", path.display());
+            let body = String::from_utf8(bytes).unwrap();
+            let expected = body.splitn(3, "---\n").nth(2).unwrap_or_default();
+            match snap.contents() {
+                insta::internals::SnapshotContents::Text(t) => {
+                    assert_eq!(t.to_string().trim_end(), expected.trim_end())
+                }
+                other => panic!("{}: not a text snapshot: {other:?}", path.display()),
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 17, "{checked} snapshots checked");
+}
