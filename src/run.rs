@@ -211,7 +211,7 @@ fn run_checkpoint(
     let (model, tokenizer) = match loaded {
         Ok(x) => x,
         Err(e) => {
-            let why = format!("{e:#}");
+            let why = e.to_string();
             report.status = CheckpointStatus::Error;
             report.reason = Some(why.clone());
             return (report, blanket_rows(suite, spec, units, Verdict::Error, &why));
@@ -231,14 +231,16 @@ fn run_checkpoint(
 
     let mut harness = Harness::new(&model, spec.settings.clone(), opts.faults);
     let t = Instant::now();
-    let good: Vec<Prompt> = prompts.values().filter_map(|p| p.as_ref().ok().cloned()).collect();
+    let good: Vec<(usize, Prompt)> =
+        prompts.iter().filter_map(|(&i, p)| p.as_ref().ok().map(|p| (i, p.clone()))).collect();
+    let all: Vec<Prompt> = good.iter().map(|(_, p)| p.clone()).collect();
     let mut floors = BTreeMap::new();
-    for p in &good {
-        let floor = harness.fault_free(|h| h.reference(&p.ids).and_then(|_| noise_floor(h, p, &good)));
-        let floor = match floor {
+    for (i, p) in &good {
+        let floor = match harness.fault_free(|h| h.reference(&p.ids).and_then(|_| noise_floor(h, p, &all))) {
             Ok(f) => f,
             Err(e) => {
-                prompts.insert(index_of(suite, &p.name), Err(format!("reference run failed: {e}")));
+                // The prompt cannot even run on the reference path: its rows fail, with why.
+                prompts.insert(*i, Err(format!("reference run failed: {e}")));
                 None
             }
         };
@@ -286,16 +288,11 @@ fn run_checkpoint(
     (report, rows)
 }
 
-fn index_of(suite: &Suite, name: &str) -> usize {
-    suite.prompts.iter().position(|p| p.name == name).unwrap_or(usize::MAX)
-}
-
-fn load(dir: &std::path::Path, spec: &CheckpointSpec) -> anyhow::Result<(Model, Tokenizer)> {
-    use anyhow::Context;
+/// Config, tokenizer and weights; every error names its file.
+fn load(dir: &std::path::Path, spec: &CheckpointSpec) -> Result<(Model, Tokenizer)> {
     let config = ModelConfig::load(dir)?;
     let tokenizer = Tokenizer::load(dir)?;
-    let model = Model::load(dir, config, spec.dtype.resolve(), spec.dequantize)
-        .with_context(|| format!("loading weights from {}", dir.display()))?;
+    let model = Model::load(dir, config, spec.dtype.resolve(), spec.dequantize)?;
     Ok((model, tokenizer))
 }
 

@@ -103,7 +103,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     print!("{}", bench::render(&rows));
 
     let mut tokens_differ = false;
-    if let (Some(p), Some(v)) = (&a.mlx_lm, &mlx_lm) {
+    if let Some(v) = &mlx_lm {
         if let Some(ours) = rows.iter().find(|r| r.batch == 1 && r.backend == Backend::Dense) {
             let theirs = |k: &str| v[k]["median"].as_f64().unwrap_or(f64::NAN);
             let same = v["greedy_tokens"].as_array().map(|t| {
