@@ -239,7 +239,7 @@ fn generate_json_and_bad_checkpoint_errors() {
 #[test]
 fn committed_reports_parse_with_insta() {
     let mut checked = 0;
-    for suite in ["fixtures", "qwen3", "llama3"] {
+    for suite in ["fixtures", "qwen3", "llama3", "smollm2"] {
         let dir = common::repo().join("reports").join(suite);
         for (path, bytes) in snapshots(&dir) {
             let snap = insta::Snapshot::from_file(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));

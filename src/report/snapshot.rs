@@ -1,7 +1,7 @@
 //! Snapshot reports in insta's `.snap` format, one file per checkpoint and scenario under
-//! `reports/<suite>/`: token ids, verdicts, divergence locations and metrics bucketed by
-//! decade, so the file is byte-identical across runs of the same code and a reviewer sees a
-//! change only when behaviour changed.
+//! `reports/<suite>/`: token ids, verdicts, divergence locations and metrics bucketed (identical,
+//! within tolerance, or the decade past it), so the file is byte-identical across runs of the
+//! same code and a reviewer sees a change only when behaviour changed.
 //!
 //! A run writes `<name>.snap.new` next to a differing accepted `<name>.snap`, as insta does, so
 //! `parity review` / `parity accept` and `cargo insta review` both work on them. GPU runs keep
@@ -89,14 +89,14 @@ pub fn render(report: &Report) -> BTreeMap<String, String> {
         );
         let _ = writeln!(s, "rows:");
         for r in rows {
-            row(&mut s, r);
+            row(&mut s, r, c.max_rel_rms_tolerance);
         }
         out.insert(file_stem(&checkpoint, &scenario), s);
     }
     out
 }
 
-fn row(s: &mut String, r: &Row) {
+fn row(s: &mut String, r: &Row, tolerance: f32) {
     let _ = writeln!(s, "  - prompt: {}", yaml_str(&r.prompt));
     let _ = writeln!(s, "    case: {}", yaml_str(&r.case));
     let _ = writeln!(s, "    backend: {}", r.backend);
@@ -105,7 +105,7 @@ fn row(s: &mut String, r: &Row) {
     if r.nan {
         let _ = writeln!(s, "    max_rel_rms: nan");
     } else if let Some(x) = r.max_rel_rms {
-        let _ = writeln!(s, "    max_rel_rms: {}", bucket(x));
+        let _ = writeln!(s, "    max_rel_rms: {}", bucket(x, tolerance));
     }
     if let Some(d) = &r.first_divergence {
         let mut loc = format!(
@@ -142,17 +142,21 @@ fn strip_numbers_after_rms(f: &str) -> String {
         .join("; ")
 }
 
-/// A decade bucket: `0`, or `< 1e-N` for the smallest power of ten above the value. Float noise
-/// moves a value within its decade, not across it, in practice; identical paths report `0`.
-pub fn bucket(x: f32) -> String {
+/// `0` (bit-identical), `within tolerance` (float noise: its exact size moves with the machine
+/// and is in the JSON report), or, past the tolerance, the decade (`"> tol, < 1e-1"`). Only
+/// the last can sit on a boundary, and such a row fails anyway.
+pub fn bucket(x: f32, tolerance: f32) -> String {
     if x == 0.0 {
         return "0".into();
     }
     if !x.is_finite() {
         return "nan".into();
     }
+    if x <= tolerance {
+        return "within tolerance".into();
+    }
     let exp = x.log10().floor() as i32 + 1;
-    format!("\"< 1e{exp}\"")
+    format!("\"> tolerance, < 1e{exp}\"")
 }
 
 fn ids(v: &[u32]) -> String {
@@ -245,12 +249,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn buckets_are_decades() {
-        assert_eq!(bucket(0.0), "0");
-        assert_eq!(bucket(3.2e-7), "\"< 1e-6\"");
-        assert_eq!(bucket(9.9e-7), "\"< 1e-6\"");
-        assert_eq!(bucket(1.5e-2), "\"< 1e-1\"");
-        assert_eq!(bucket(f32::NAN), "nan");
+    fn buckets_separate_identical_noise_and_failures() {
+        assert_eq!(bucket(0.0, 1e-3), "0");
+        assert_eq!(bucket(3.2e-7, 1e-3), "within tolerance");
+        assert_eq!(bucket(1.0e-3, 1e-3), "within tolerance");
+        assert_eq!(bucket(1.5e-2, 1e-3), "\"> tolerance, < 1e-1\"");
+        assert_eq!(bucket(f32::NAN, 1e-3), "nan");
     }
 
     #[test]
