@@ -177,6 +177,7 @@ fn empty_row(
         nan: false,
         paths: 0,
         notes: Vec::new(),
+        kv: None,
     }
 }
 
@@ -352,6 +353,7 @@ fn case_row(
     let mut row = empty_row(spec, &c.prompt.name, u.scenario, &c.case, u.backend, Verdict::Identical);
     row.notes = c.notes.clone();
     row.paths = c.paths.len();
+    row.kv = Some(c.kv);
     row.noise_floor_rel_rms = floors.get(&base_prompt).copied().flatten();
     let reference = match h.reference(&c.prompt.ids) {
         Ok(r) => r,

@@ -42,6 +42,7 @@ fn row(checkpoint: &str, scenario: &str, case: &str, backend: &str, verdict: Ver
         nan: false,
         paths: usize::from(ran),
         notes: vec![],
+        kv: None,
     }
 }
 

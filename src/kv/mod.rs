@@ -48,7 +48,7 @@ impl std::str::FromStr for Backend {
 }
 
 /// Memory held by a backend, in bytes of K and V over all layers.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
 pub struct KvStats {
     /// Rows that sequences can see.
     pub bytes_live: u64,

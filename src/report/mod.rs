@@ -117,6 +117,9 @@ pub struct Row {
     pub nan: bool,
     pub paths: usize,
     pub notes: Vec<String>,
+    /// KV memory of the case's store at its end (peak included); absent when it did not run.
+    #[serde(default)]
+    pub kv: Option<crate::kv::KvStats>,
 }
 
 /// Where a path first chose differently from its reference, in layout terms.

@@ -21,7 +21,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
             prefill(h.model, kv.as_mut(), live, &p.ids)?;
         }
         decode_all(h.model, kv.as_mut(), &mut lives)?;
-        out.push(case("same", p, lives.into_iter().map(|l| l.trace).collect()));
+        out.push(case(kv.as_ref(), "same", p, lives.into_iter().map(|l| l.trace).collect()));
 
         if let Some(j) = ragged_partner(prompts, i) {
             let other = &prompts[j];
@@ -32,7 +32,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
             prefill(h.model, kv.as_mut(), &mut lives[1], &p.ids)?;
             decode_all(h.model, kv.as_mut(), &mut lives)?;
             let [_, mine] = lives;
-            let mut c = case("ragged", p, vec![mine.trace]);
+            let mut c = case(kv.as_ref(), "ragged", p, vec![mine.trace]);
             c.notes.push(format!("row 0: {} ({} tokens)", other.name, other.ids.len()));
             out.push(c);
         }

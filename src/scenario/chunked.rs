@@ -27,7 +27,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         let mut lives = [live];
         decode_all(h.model, kv.as_mut(), &mut lives)?;
         let [live] = lives;
-        let mut out_case = case(format!("c{c}"), p, vec![live.trace]);
+        let mut out_case = case(kv.as_ref(), format!("c{c}"), p, vec![live.trace]);
         let sizes: Vec<String> = chunks.iter().map(|ch| ch.len().to_string()).collect();
         out_case.notes.push(format!("chunks {}", sizes.join("+")));
         out.push(out_case);

@@ -64,7 +64,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
     Ok(finished
         .into_iter()
         .map(|r| {
-            let mut c = case(format!("req{}", r.index), &r.prompt, vec![r.live.trace]);
+            let mut c = case(kv.as_ref(), format!("req{}", r.index), &r.prompt, vec![r.live.trace]);
             c.notes.push(format!(
                 "arrived step {}, joined step {}, {} steps, peak batch {peak_batch}",
                 r.arrival,

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::engine::{self, Trace};
 use crate::error::{Error, Result};
 use crate::faults::Faults;
-use crate::kv::{Backend, DenseCache, KvCache, PagedBlockPool, PoolOptions, SeqId};
+use crate::kv::{Backend, DenseCache, KvCache, KvStats, PagedBlockPool, PoolOptions, SeqId};
 use crate::model::{Model, RowStep};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -172,6 +172,8 @@ pub struct CaseOutput {
     pub paths: Vec<PathTrace>,
     /// Facts worth printing next to the verdict (e.g. `padded 37 -> 64, trimmed 27`).
     pub notes: Vec<String>,
+    /// The KV store's memory when the case ended: what dense and paged held for the same work.
+    pub kv: KvStats,
 }
 
 /// What scenarios share for one checkpoint: the model, the settings, the planted faults, and
@@ -349,6 +351,7 @@ pub fn ragged_partner(prompts: &[Prompt], i: usize) -> Option<usize> {
     (1..n).map(|k| (i + k) % n).find(|&j| prompts[j].ids.len() != prompts[i].ids.len())
 }
 
-pub fn case(case: impl Into<String>, prompt: &Prompt, paths: Vec<PathTrace>) -> CaseOutput {
-    CaseOutput { case: case.into(), prompt: prompt.clone(), paths, notes: Vec::new() }
+/// A case's output, with the memory its KV store held at the end (peak included).
+pub fn case(kv: &dyn KvCache, case: impl Into<String>, prompt: &Prompt, paths: Vec<PathTrace>) -> CaseOutput {
+    CaseOutput { case: case.into(), prompt: prompt.clone(), paths, notes: Vec::new(), kv: kv.stats() }
 }

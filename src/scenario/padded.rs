@@ -41,7 +41,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         let mut lives = [live];
         decode_all(h.model, kv.as_mut(), &mut lives)?;
         let [live] = lives;
-        let mut c = case("tile", p, vec![live.trace]);
+        let mut c = case(kv.as_ref(), "tile", p, vec![live.trace]);
         c.notes.push(format!("padded {n} -> {t}, trimmed {}", t - n));
         out.push(c);
 
@@ -71,7 +71,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
             }
             decode_all(h.model, kv.as_mut(), &mut lives)?;
             let [mine, _] = lives;
-            let mut c = case("batch-right", p, vec![mine.trace]);
+            let mut c = case(kv.as_ref(), "batch-right", p, vec![mine.trace]);
             c.notes.push(format!(
                 "rows {n} and {} padded to {t}, trimmed {} and {}",
                 other.ids.len(),
@@ -111,7 +111,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         }
         decode_all(h.model, kv.as_mut(), &mut lives)?;
         let [mine, _] = lives;
-        let mut c = case("batch-left", p, vec![mine.trace]);
+        let mut c = case(kv.as_ref(), "batch-left", p, vec![mine.trace]);
         c.notes.push(format!("{masked} left pads (masked), {n} real, {} right pads trimmed", t - l));
         out.push(c);
     }

@@ -53,7 +53,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         let mut lives = [adopter];
         decode_all(h.model, kv.as_mut(), &mut lives)?;
         let [adopter] = lives;
-        let mut c = case("after-finish", &derived, vec![adopter.trace]);
+        let mut c = case(kv.as_ref(), "after-finish", &derived, vec![adopter.trace]);
         c.notes.push(note(kv.as_ref(), share, &derived));
         out.push(c);
 
@@ -71,10 +71,10 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         decode_all(h.model, kv.as_mut(), &mut lives)?;
         let [donor, adopter] = lives;
         let notes = note(kv.as_ref(), share, &derived);
-        let mut c = case("while-running", p, vec![donor.trace]);
+        let mut c = case(kv.as_ref(), "while-running", p, vec![donor.trace]);
         c.notes.push(notes.clone());
         out.push(c);
-        let mut c = case("while-running/adopter", &derived, vec![adopter.trace]);
+        let mut c = case(kv.as_ref(), "while-running/adopter", &derived, vec![adopter.trace]);
         c.notes.push(notes);
         out.push(c);
     }

@@ -28,7 +28,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
             }
             decode_step(h.model, kv.as_mut(), &mut [&mut live])?;
         }
-        let mut c = case(format!("k{k}"), p, vec![live.trace]);
+        let mut c = case(kv.as_ref(), format!("k{k}"), p, vec![live.trace]);
         c.notes.push(format!("{rollbacks} rollbacks of {k} rows"));
         out.push(c);
     }

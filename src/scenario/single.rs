@@ -15,7 +15,7 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         let mut lives = [live];
         decode_all(h.model, kv.as_mut(), &mut lives)?;
         let [live] = lives;
-        out.push(case("plain", p, vec![live.trace]));
+        out.push(case(kv.as_ref(), "plain", p, vec![live.trace]));
     }
     Ok(out)
 }
