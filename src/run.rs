@@ -224,9 +224,9 @@ fn run_checkpoint(
     let mut prompts: BTreeMap<usize, std::result::Result<Prompt, String>> = BTreeMap::new();
     for u in units {
         for &p in &u.prompts {
-            prompts
-                .entry(p)
-                .or_insert_with(|| encode(&suite.prompts[p], &tokenizer, &model).map_err(|e| e.to_string()));
+            prompts.entry(p).or_insert_with(|| {
+                encode(&suite.prompts[p], &tokenizer, &model, spec.settings.max_tokens).map_err(|e| e.to_string())
+            });
         }
     }
 
@@ -237,14 +237,13 @@ fn run_checkpoint(
     let all: Vec<Prompt> = good.iter().map(|(_, p)| p.clone()).collect();
     let mut floors = BTreeMap::new();
     for (i, p) in &good {
-        let floor = match harness.fault_free(|h| h.reference(&p.ids).and_then(|_| noise_floor(h, p, &all))) {
-            Ok(f) => f,
-            Err(e) => {
-                // The prompt cannot even run on the reference path: its rows fail, with why.
-                prompts.insert(*i, Err(format!("reference run failed: {e}")));
-                None
-            }
-        };
+        if let Err(e) = harness.reference(&p.ids) {
+            // The prompt cannot even run on the reference path: its rows fail, with why.
+            prompts.insert(*i, Err(format!("reference run failed: {e}")));
+            continue;
+        }
+        // A measurement aid: if it cannot be taken, the floor is unknown (null), not a failure.
+        let floor = harness.fault_free(|h| noise_floor(h, p, &all)).ok().flatten();
         floors.insert(p.name.clone(), floor);
         report.noise_floor.insert(p.name.clone(), floor);
     }
@@ -297,9 +296,9 @@ fn load(dir: &std::path::Path, spec: &CheckpointSpec) -> Result<(Model, Tokenize
     Ok((model, tokenizer))
 }
 
-/// Encode a suite prompt for this checkpoint, check it fits the context with the tokens to
-/// generate, and apply `length`.
-fn encode(p: &PromptSpec, tok: &Tokenizer, model: &Model) -> Result<Prompt> {
+/// Encode a suite prompt for this checkpoint, apply `length`, and check it fits the context
+/// with the tokens to generate.
+fn encode(p: &PromptSpec, tok: &Tokenizer, model: &Model, max_tokens: usize) -> Result<Prompt> {
     let mut ids = match &p.source {
         PromptSource::Text(t) => tok.encode_raw(t)?,
         PromptSource::Chat(t) => tok.encode_chat(t)?,
@@ -310,6 +309,15 @@ fn encode(p: &PromptSpec, tok: &Tokenizer, model: &Model) -> Result<Prompt> {
     }
     if let Some(n) = p.length {
         ids = ids.iter().copied().cycle().take(n).collect();
+    }
+    let context = model.config.max_position_embeddings;
+    if ids.len() + max_tokens > context {
+        return Err(Error::Invalid(format!(
+            "prompt `{}`: {} tokens plus {max_tokens} to generate exceed the context of {context} \
+             (max_position_embeddings in config.json)",
+            p.name,
+            ids.len()
+        )));
     }
     let vocab = model.config.vocab_size;
     if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {

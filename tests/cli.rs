@@ -258,3 +258,33 @@ fn committed_reports_parse_with_insta() {
     }
     assert!(checked >= 17, "{checked} snapshots checked");
 }
+
+#[test]
+fn a_prompt_longer_than_the_context_fails_only_its_own_rows() {
+    let dir = common::scratch("cli-long-prompt");
+    let file = dir.join("long.toml");
+    let fixture = common::repo().join("fixtures/llama-tiny.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "name = \"long\"\nscenarios = [\"single\"]\n[settings]\nmax_tokens = 4\n\
+             [[prompts]]\nname = \"ok\"\ntext = \"hello\"\n\
+             [[prompts]]\nname = \"too-long\"\ntext = \"hello\"\nlength = 2100\n\
+             [[checkpoints]]\npath = \"{}\"\n",
+            fixture.display()
+        ),
+    )
+    .unwrap();
+    let json = dir.join("r.json");
+    let o = parity(&["run", file.to_str().unwrap(), "--no-snapshots", "--json", json.to_str().unwrap()]);
+    assert_eq!(code(&o), 1, "{}", text(&o));
+    assert!(
+        text(&o).contains("prompt `too-long`: 2100 tokens plus 4 to generate exceed the context of 2048"),
+        "{}",
+        text(&o)
+    );
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for row in r["rows"].as_array().unwrap() {
+        assert_eq!(row["pass"], row["prompt"] == "ok", "{row}");
+    }
+}
