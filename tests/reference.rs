@@ -46,3 +46,24 @@ fn smollm2_matches_mlx_lm_reference_on_dense_and_paged() {
         }
     }
 }
+
+/// mlx-lm on the tiny fixtures (`ci/fixture-references` writes the file): Llama 3 RoPE scaling
+/// with GQA and an untied head, Qwen3 with q/k norms and a 4-bit tied embedding, 8-bit group 64.
+/// An independent implementation of each forward pass, token for token.
+#[test]
+fn fixtures_match_mlx_lm_references() {
+    let path = common::repo().join("fixtures/reference/mlx-lm-f32.json");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("fixture references")).unwrap();
+    let ids = |x: &Value| x.as_array().expect("ids").iter().map(|i| i.as_u64().expect("id") as u32).collect::<Vec<_>>();
+    let fixtures = v["fixtures"].as_object().expect("fixtures");
+    assert!(fixtures.len() >= 3);
+    for (name, cases) in fixtures {
+        let (model, _) = common::load(&common::fixture(name));
+        for case in cases.as_array().unwrap() {
+            let (prompt, expected) = (ids(&case["prompt_ids"]), ids(&case["greedy"]));
+            let mut dense = DenseCache::new(model.kv_shape());
+            let (_, trace) = engine::generate(&model, &mut dense, &prompt, expected.len()).unwrap();
+            assert_eq!(trace.tokens, expected, "{name}, prompt of {} tokens", prompt.len());
+        }
+    }
+}
