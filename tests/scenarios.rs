@@ -68,3 +68,38 @@ fn every_scenario_matches_the_reference_on_both_backends() {
         }
     }
 }
+
+/// Half precision is an explicit setting: the model computes in it, KV is stored in it, and
+/// the paths still agree (the default tolerance for half precision is 2e-2).
+#[test]
+fn bfloat16_and_native_dtypes_run_and_agree() {
+    use parity::checkpoint::ModelConfig;
+    use parity::dtype::DtypeName;
+    use parity::model::Model;
+    let dir = common::fixture("qwen3-tiny");
+    for (setting, expected) in [(Some(DtypeName::Bfloat16), DtypeName::Bfloat16), (None, DtypeName::Bfloat16)] {
+        // qwen3-tiny stores bfloat16, so `native` (None) is bfloat16 too.
+        let model = Model::load(&dir, ModelConfig::load(&dir).unwrap(), setting, false).unwrap();
+        assert_eq!(model.dtype, expected);
+        assert_eq!(model.kv_shape().dtype, expected);
+        let mut h = Harness::new(&model, settings(), Faults::NONE);
+        let prompts = prompts();
+        for sc in [scenario::Scenario::Single, scenario::Scenario::Batch2] {
+            let cases = sc.run(&mut h, Backend::Paged, &prompts).unwrap();
+            for c in cases {
+                let reference = h.reference(&c.prompt.ids).unwrap();
+                assert_eq!(reference.logits[0].dtype(), mlx_rs::Dtype::Bfloat16);
+                for path in &c.paths {
+                    let cmp = compare::compare(&reference, path, expected, 2e-2).unwrap();
+                    assert!(
+                        matches!(cmp.verdict, Verdict::Identical | Verdict::NearTie),
+                        "{} {}: {:?}",
+                        sc.name(),
+                        c.case,
+                        cmp.first_divergence
+                    );
+                }
+            }
+        }
+    }
+}
