@@ -13,8 +13,8 @@ use crate::report::snapshot;
 pub struct Args {
     /// A suite file (its snapshots) or a reports directory. Default: reports/.
     pub target: Option<PathBuf>,
-    /// Where snapshot reports live, when TARGET is a suite (default: reports/ next to the
-    /// suite's directory).
+    /// Where snapshot reports live, when TARGET is a suite (default: reports/ beside a suites/
+    /// directory, else next to the suite file).
     #[arg(long)]
     pub reports: Option<PathBuf>,
 }

@@ -37,7 +37,7 @@ pub struct Args {
     /// Do not compare or write snapshot reports.
     #[arg(long)]
     pub no_snapshots: bool,
-    /// Where snapshot reports live (default: reports/ next to the suite's directory).
+    /// Where snapshot reports live (default: reports/ beside a suites/ directory, else next to the suite file).
     #[arg(long)]
     pub reports: Option<PathBuf>,
 }
@@ -178,14 +178,28 @@ impl Progress for Bars {
     }
 }
 
+/// Where snapshots go: `--reports`, else `reports/` beside a `suites/` directory (this
+/// repository's layout), else `reports/` next to the suite file. Never above a directory the
+/// user pointed at.
 pub fn reports_dir(suite_file: &Path, explicit: &Option<PathBuf>) -> PathBuf {
     if let Some(d) = explicit {
         return d.clone();
     }
-    let dir = suite_file.parent().unwrap_or(Path::new("."));
-    let parent = if dir.as_os_str().is_empty() { Path::new("..") } else { dir.parent().unwrap_or(Path::new(".")) };
-    let parent = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
-    parent.join("reports")
+    let dir = match suite_file.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let in_suites = dir.file_name().is_some_and(|n| n == "suites");
+    match dir.parent() {
+        Some(parent) if in_suites => {
+            if parent.as_os_str().is_empty() {
+                PathBuf::from("reports")
+            } else {
+                parent.join("reports")
+            }
+        }
+        _ => dir.join("reports"),
+    }
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
@@ -241,4 +255,19 @@ pub fn run(a: Args) -> Result<ExitCode> {
         0
     };
     Ok(ExitCode::from(code))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_live_beside_suites_or_next_to_the_suite_file() {
+        let r = |p: &str| reports_dir(Path::new(p), &None);
+        assert_eq!(r("suites/qwen3.toml"), PathBuf::from("reports"));
+        assert_eq!(r("/repo/suites/qwen3.toml"), PathBuf::from("/repo/reports"));
+        assert_eq!(r("/tmp/mine.toml"), PathBuf::from("/tmp/reports"));
+        assert_eq!(r("mine.toml"), PathBuf::from("./reports"));
+        assert_eq!(reports_dir(Path::new("x.toml"), &Some("out".into())), PathBuf::from("out"));
+    }
 }
