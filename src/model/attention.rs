@@ -89,7 +89,10 @@ impl Attention {
             (q, k)
         };
 
-        let mut outs = Vec::with_capacity(b as usize);
+        // Every row writes before any row reads. Rows of a paged pool share slabs: a read
+        // between two writes keeps the first write's version of the slab alive, so the second
+        // write could not update it in place.
+        let mut queries = Vec::with_capacity(b as usize);
         for (i, row) in ctx.rows.iter().enumerate() {
             let r = i as i32;
             // One row needs no slicing (B = 1 is the hot path of single-sequence decode).
@@ -99,18 +102,21 @@ impl Attention {
                 qr = ctx.rope.apply(&qr, offsets[i])?;
                 kr = ctx.rope.apply(&kr, offsets[i])?;
             }
-            let vr = row_of(&v);
-            kv.write(layer, row.seq, ctx.starts[i], &kr, &vr)?;
+            kv.write(layer, row.seq, ctx.starts[i], &kr, &row_of(&v))?;
+            queries.push(qr);
+        }
+        let mut outs = Vec::with_capacity(b as usize);
+        for (i, (row, qr)) in ctx.rows.iter().zip(&queries).enumerate() {
             let (keys, values) = kv.read(layer, row.seq)?;
             let masked = kv.masked_prefix(row.seq)?;
             // Only left-padded rows need an explicit mask; its width is the keys actually read.
             let out = if masked > 0 && !ctx.faults.has(Fault::PadUnmasked) {
                 let mask = prefix_mask(ctx.starts[i], t as usize, keys.shape()[2] as usize, masked);
-                mlx_rs::fast::scaled_dot_product_attention(&qr, &keys, &values, self.scale, &mask, None)?
+                mlx_rs::fast::scaled_dot_product_attention(qr, &keys, &values, self.scale, &mask, None)?
             } else if t > 1 {
                 // Causal, aligned to the bottom right: query j sits at row start + j.
                 mlx_rs::fast::scaled_dot_product_attention(
-                    &qr,
+                    qr,
                     &keys,
                     &values,
                     self.scale,
@@ -118,7 +124,7 @@ impl Attention {
                     None,
                 )?
             } else {
-                mlx_rs::fast::scaled_dot_product_attention(&qr, &keys, &values, self.scale, None, None)?
+                mlx_rs::fast::scaled_dot_product_attention(qr, &keys, &values, self.scale, None, None)?
             };
             outs.push(out);
         }
