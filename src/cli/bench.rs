@@ -103,33 +103,33 @@ pub fn run(a: Args) -> Result<ExitCode> {
     print!("{}", bench::render(&rows));
 
     let mut tokens_differ = false;
-    if let Some(v) = &mlx_lm {
-        if let Some(ours) = rows.iter().find(|r| r.batch == 1 && r.backend == Backend::Dense) {
-            let theirs = |k: &str| v[k]["median"].as_f64().unwrap_or(f64::NAN);
-            let same = v["greedy_tokens"].as_array().map(|t| {
-                t.iter()
-                    .filter_map(|x| x.as_u64())
-                    .map(|x| x as u32)
-                    .take(ours.tokens.len())
-                    .eq(ours.tokens.iter().copied())
-            });
-            tokens_differ = same == Some(false);
-            println!(
-                "vs mlx-lm {} (B=1): decode {:.1} vs {:.1} tok/s (parity/mlx-lm {:.2}), prefill {:.1} vs {:.1} tok/s ({:.2}); greedy tokens {}",
-                v["mlx_lm_version"].as_str().unwrap_or("?"),
-                ours.decode_tps.median,
-                theirs("decode_tps"),
-                ours.decode_tps.median / theirs("decode_tps"),
-                ours.prefill_tps.median,
-                theirs("prefill_tps"),
-                ours.prefill_tps.median / theirs("prefill_tps"),
-                match same {
-                    Some(true) => "identical",
-                    Some(false) => "DIFFER",
-                    None => "not compared",
-                }
-            );
-        }
+    if let Some(v) = &mlx_lm
+        && let Some(ours) = rows.iter().find(|r| r.batch == 1 && r.backend == Backend::Dense)
+    {
+        let theirs = |k: &str| v[k]["median"].as_f64().unwrap_or(f64::NAN);
+        let same = v["greedy_tokens"].as_array().map(|t| {
+            t.iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .take(ours.tokens.len())
+                .eq(ours.tokens.iter().copied())
+        });
+        tokens_differ = same == Some(false);
+        println!(
+            "vs mlx-lm {} (B=1): decode {:.1} vs {:.1} tok/s (parity/mlx-lm {:.2}), prefill {:.1} vs {:.1} tok/s ({:.2}); greedy tokens {}",
+            v["mlx_lm_version"].as_str().unwrap_or("?"),
+            ours.decode_tps.median,
+            theirs("decode_tps"),
+            ours.decode_tps.median / theirs("decode_tps"),
+            ours.prefill_tps.median,
+            theirs("prefill_tps"),
+            ours.prefill_tps.median / theirs("prefill_tps"),
+            match same {
+                Some(true) => "identical",
+                Some(false) => "DIFFER",
+                None => "not compared",
+            }
+        );
     }
     if let Some(p) = &a.json {
         let out = serde_json::json!({

@@ -2,12 +2,10 @@
 //! `[1, n_kv_heads, capacity, head_dim]` grown in steps (as mlx-lm's `KVCache`). This is the
 //! reference layout every paged result is compared against.
 
-use std::collections::BTreeMap;
-
 use mlx_rs::Array;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 
-use super::{Backend, KvCache, KvShape, KvStats, SeqId, check_kv_shape};
+use super::{Backend, KvCache, KvShape, KvStats, SeqId, SeqMap, check_kv_shape};
 use crate::error::{Error, Result};
 
 /// Buffers grow by this many rows at a time, so decode does not reallocate every step.
@@ -24,22 +22,21 @@ struct Sequence {
 
 pub struct DenseCache {
     shape: KvShape,
-    seqs: BTreeMap<SeqId, Sequence>,
-    next_id: u32,
+    seqs: SeqMap<Sequence>,
     peak_bytes: u64,
 }
 
 impl DenseCache {
     pub fn new(shape: KvShape) -> Self {
-        DenseCache { shape, seqs: BTreeMap::new(), next_id: 0, peak_bytes: 0 }
+        DenseCache { shape, seqs: SeqMap::new(), peak_bytes: 0 }
     }
 
     fn seq(&self, seq: SeqId) -> Result<&Sequence> {
-        self.seqs.get(&seq).ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+        self.seqs.get(seq)
     }
 
     fn seq_mut(&mut self, seq: SeqId) -> Result<&mut Sequence> {
-        self.seqs.get_mut(&seq).ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+        self.seqs.get_mut(seq)
     }
 
     fn buffer(&self, rows: usize) -> Result<Array> {
@@ -54,10 +51,7 @@ impl KvCache for DenseCache {
     }
 
     fn create(&mut self, masked_prefix: usize) -> Result<SeqId> {
-        let id = SeqId(self.next_id);
-        self.next_id += 1;
-        self.seqs.insert(id, Sequence { len: 0, masked_prefix, capacity: 0, layers: Vec::new() });
-        Ok(id)
+        Ok(self.seqs.insert(Sequence { len: 0, masked_prefix, capacity: 0, layers: Vec::new() }))
     }
 
     fn len(&self, seq: SeqId) -> Result<usize> {
@@ -131,7 +125,7 @@ impl KvCache for DenseCache {
     }
 
     fn release(&mut self, seq: SeqId) -> Result<()> {
-        self.seqs.remove(&seq).map(|_| ()).ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+        self.seqs.remove(seq).map(|_| ())
     }
 
     fn share_prefix(&mut self, donor: SeqId, _rows: usize) -> Result<Option<SeqId>> {

@@ -8,6 +8,8 @@
 pub mod dense;
 pub mod paged;
 
+use std::collections::BTreeMap;
+
 use mlx_rs::Array;
 use serde::Serialize;
 
@@ -126,5 +128,41 @@ impl KvShape {
     /// Bytes of K plus V for one row across all layers.
     pub fn row_bytes(&self) -> u64 {
         (2 * self.layers * self.kv_heads * self.head_dim * self.dtype.bytes()) as u64
+    }
+}
+
+/// The live sequences of a backend, by id: ids are never reused, and an unknown id is an
+/// error (not a panic) wherever a caller passes one.
+pub(crate) struct SeqMap<T> {
+    seqs: BTreeMap<SeqId, T>,
+    next_id: u32,
+}
+
+impl<T> SeqMap<T> {
+    pub(crate) fn new() -> Self {
+        SeqMap { seqs: BTreeMap::new(), next_id: 0 }
+    }
+
+    pub(crate) fn insert(&mut self, value: T) -> SeqId {
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.seqs.insert(id, value);
+        id
+    }
+
+    pub(crate) fn get(&self, id: SeqId) -> Result<&T> {
+        self.seqs.get(&id).ok_or_else(|| crate::Error::Kv(format!("unknown sequence {}", id.0)))
+    }
+
+    pub(crate) fn get_mut(&mut self, id: SeqId) -> Result<&mut T> {
+        self.seqs.get_mut(&id).ok_or_else(|| crate::Error::Kv(format!("unknown sequence {}", id.0)))
+    }
+
+    pub(crate) fn remove(&mut self, id: SeqId) -> Result<T> {
+        self.seqs.remove(&id).ok_or_else(|| crate::Error::Kv(format!("unknown sequence {}", id.0)))
+    }
+
+    pub(crate) fn values(&self) -> impl Iterator<Item = &T> {
+        self.seqs.values()
     }
 }

@@ -9,13 +9,12 @@
 //! a loud failure instead of a slight drift.
 
 use std::cell::RefCell;
-use std::collections::BTreeMap;
 
 use mlx_rs::Array;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use serde::Serialize;
 
-use super::{Backend, KvCache, KvShape, KvStats, SeqId, check_kv_shape};
+use super::{Backend, KvCache, KvShape, KvStats, SeqId, SeqMap, check_kv_shape};
 use crate::error::{Error, Result};
 use crate::faults::{Fault, Faults};
 
@@ -78,8 +77,7 @@ pub struct PagedBlockPool {
     refcount: Vec<u32>,
     /// Free block ids; popped from the end, so recently freed blocks are reused first.
     free: Vec<usize>,
-    seqs: BTreeMap<SeqId, PagedSeq>,
-    next_id: u32,
+    seqs: SeqMap<PagedSeq>,
     peak_blocks: usize,
     faults: Faults,
 }
@@ -95,8 +93,7 @@ impl PagedBlockPool {
             opts,
             refcount: Vec::new(),
             free: Vec::new(),
-            seqs: BTreeMap::new(),
-            next_id: 0,
+            seqs: SeqMap::new(),
             peak_blocks: 0,
             faults,
         })
@@ -115,11 +112,11 @@ impl PagedBlockPool {
     }
 
     fn seq(&self, seq: SeqId) -> Result<&PagedSeq> {
-        self.seqs.get(&seq).ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+        self.seqs.get(seq)
     }
 
     fn seq_mut(&mut self, seq: SeqId) -> Result<&mut PagedSeq> {
-        self.seqs.get_mut(&seq).ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))
+        self.seqs.get_mut(seq)
     }
 
     fn total_blocks(&self) -> usize {
@@ -263,10 +260,7 @@ impl KvCache for PagedBlockPool {
     }
 
     fn create(&mut self, masked_prefix: usize) -> Result<SeqId> {
-        let id = SeqId(self.next_id);
-        self.next_id += 1;
-        self.seqs.insert(id, PagedSeq::new(0, masked_prefix, Vec::new()));
-        Ok(id)
+        Ok(self.seqs.insert(PagedSeq::new(0, masked_prefix, Vec::new())))
     }
 
     fn len(&self, seq: SeqId) -> Result<usize> {
@@ -279,13 +273,11 @@ impl KvCache for PagedBlockPool {
 
     fn reserve(&mut self, seq: SeqId, n: usize) -> Result<usize> {
         let bs = self.opts.block_size;
-        let (start, have) = {
-            let s = self.seq(seq)?;
-            (s.len, s.table.len())
-        };
+        let s = self.seq(seq)?;
+        let (start, have) = (s.len, s.table.len());
+        // The block that row `start` lands in, if it is already in the table (it may be shared).
+        let partial = (start % bs != 0).then(|| s.table.get(start / bs).copied()).flatten();
         let want = (start + n).div_ceil(bs);
-        // The block that row `start` lands in, if it is already in the table and shared.
-        let partial = (start % bs != 0 && start / bs < have).then(|| self.seqs[&seq].table[start / bs]);
         let cow = partial.filter(|&b| self.refcount[b] > 1 && !self.faults.has(Fault::CowSkipped));
         let new_blocks = want.saturating_sub(have) + usize::from(cow.is_some());
         // Check before allocating anything, so an exhausted pool leaves the sequence intact.
@@ -430,7 +422,7 @@ impl KvCache for PagedBlockPool {
     }
 
     fn release(&mut self, seq: SeqId) -> Result<()> {
-        let s = self.seqs.remove(&seq).ok_or_else(|| Error::Kv(format!("unknown sequence {}", seq.0)))?;
+        let s = self.seqs.remove(seq)?;
         for b in s.table.into_iter().rev() {
             self.unref(b)?;
         }
@@ -448,10 +440,7 @@ impl KvCache for PagedBlockPool {
         for &b in &table {
             self.refcount[b] += 1;
         }
-        let id = SeqId(self.next_id);
-        self.next_id += 1;
-        self.seqs.insert(id, PagedSeq::new(rows, masked_prefix, table));
-        Ok(Some(id))
+        Ok(Some(self.seqs.insert(PagedSeq::new(rows, masked_prefix, table))))
     }
 
     fn stats(&self) -> KvStats {

@@ -24,6 +24,11 @@ pub(crate) fn cast(a: Array, opts: &LoadOptions) -> Result<Array> {
     }
 }
 
+/// `x @ W^T` with `W` in MLX's packed affine layout.
+fn qmatmul_t(x: &Array, weight: &Array, scales: &Array, biases: &Array, spec: QuantSpec) -> Result<Array> {
+    Ok(mlx_rs::ops::quantized_matmul(x, weight, scales, biases, true, spec.group_size as i32, spec.bits as i32)?)
+}
+
 pub enum Linear {
     Dense { weight: Array, bias: Option<Array> },
     Quantized { weight: Array, scales: Array, biases: Array, bias: Option<Array>, spec: QuantSpec },
@@ -65,15 +70,7 @@ impl Linear {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = match self {
             Linear::Dense { weight, .. } => x.matmul(weight.t())?,
-            Linear::Quantized { weight, scales, biases, spec, .. } => mlx_rs::ops::quantized_matmul(
-                x,
-                weight,
-                scales,
-                biases,
-                true,
-                spec.group_size as i32,
-                spec.bits as i32,
-            )?,
+            Linear::Quantized { weight, scales, biases, spec, .. } => qmatmul_t(x, weight, scales, biases, *spec)?,
         };
         match self.bias() {
             Some(b) => Ok(y.add(b)?),
@@ -153,15 +150,7 @@ impl Embedding {
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
             Embedding::Dense { weight } => Ok(x.matmul(weight.t())?),
-            Embedding::Quantized { weight, scales, biases, spec } => Ok(mlx_rs::ops::quantized_matmul(
-                x,
-                weight,
-                scales,
-                biases,
-                true,
-                spec.group_size as i32,
-                spec.bits as i32,
-            )?),
+            Embedding::Quantized { weight, scales, biases, spec } => qmatmul_t(x, weight, scales, biases, *spec),
         }
     }
 }
