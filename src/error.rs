@@ -47,6 +47,11 @@ pub enum Error {
     #[error("mlx: {0}")]
     Mlx(String),
 
+    #[error(
+        "MLX device `{0}` is not available in this build (the GPU needs Metal on Apple Silicon); use --device cpu or auto"
+    )]
+    DeviceUnavailable(&'static str),
+
     #[error("{0}")]
     Invalid(String),
 }

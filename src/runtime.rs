@@ -2,6 +2,7 @@
 
 use mlx_rs::{Device, DeviceType};
 
+use crate::error::Error;
 use crate::report::Environment;
 
 /// MLX's own version string (from the linked library, not from a pin).
@@ -24,7 +25,54 @@ pub fn mlx_version() -> String {
     }
 }
 
-/// `gpu` on Apple Silicon with Metal, `cpu` otherwise.
+/// Which MLX device computes. `Auto` keeps MLX's choice: the GPU where Metal is available
+/// (Apple Silicon), else the CPU. Pinning `Cpu` on a Mac is what makes `cargo test` there check
+/// the same accepted CPU snapshots and mlx-lm references as Linux CI does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceChoice {
+    Auto,
+    Cpu,
+    Gpu,
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "cpu" => Ok(Self::Cpu),
+            "gpu" => Ok(Self::Gpu),
+            other => Err(format!("unknown device `{other}` (expected auto, cpu or gpu)")),
+        }
+    }
+}
+
+/// Make `choice` MLX's default device for the whole process, and return the device name that
+/// reports will record. Call it before any array exists: MLX keeps one process-wide default,
+/// and arrays made earlier stay on the old device's streams.
+pub fn use_device(choice: DeviceChoice) -> Result<String, Error> {
+    let (kind, name) = match choice {
+        DeviceChoice::Auto => return Ok(device()),
+        DeviceChoice::Cpu => (mlx_sys::mlx_device_type__MLX_CPU, "cpu"),
+        DeviceChoice::Gpu => (mlx_sys::mlx_device_type__MLX_GPU, "gpu"),
+    };
+    // SAFETY: the device handle is created, queried, installed and freed here; MLX copies it.
+    // mlx-rs's Device::set_default drops MLX's status, which is how an unavailable GPU would
+    // go unnoticed and the run would silently stay on the CPU.
+    unsafe {
+        let dev = mlx_sys::mlx_device_new_type(kind, 0);
+        let mut available = false;
+        let ok = mlx_sys::mlx_device_is_available(&mut available, dev) == 0 && available;
+        let set = ok && mlx_sys::mlx_set_default_device(dev) == 0;
+        mlx_sys::mlx_device_free(dev);
+        if !set {
+            return Err(Error::DeviceUnavailable(name));
+        }
+    }
+    Ok(device())
+}
+
+/// `gpu` on Apple Silicon with Metal, `cpu` otherwise (or as `use_device` set it).
 pub fn device() -> String {
     match Device::try_default().and_then(|d| d.get_type()) {
         Ok(DeviceType::Gpu) => "gpu".into(),

@@ -6,14 +6,16 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// The binary as the tests run it: on the CPU (the accepted snapshots are CPU ones, also on a
+/// Mac), never accepting snapshots because of the caller's environment.
+fn command() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_parity"));
+    c.current_dir(common::repo()).env("PARITY_DEVICE", "cpu").env_remove("PARITY_UPDATE").env_remove("INSTA_UPDATE");
+    c
+}
+
 fn parity(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_parity"))
-        .args(args)
-        .current_dir(common::repo())
-        .env_remove("PARITY_UPDATE")
-        .env_remove("INSTA_UPDATE")
-        .output()
-        .expect("run parity")
+    command().args(args).output().expect("run parity")
 }
 
 fn code(o: &Output) -> i32 {
@@ -133,7 +135,7 @@ fn absent_and_broken_checkpoints_do_not_stop_the_others() {
     let dir = common::scratch("cli-mixed");
     let file = mixed_suite(&dir);
     let json = dir.join("r.json");
-    let o = Command::new(env!("CARGO_BIN_EXE_parity"))
+    let o = command()
         .args(["run", file.to_str().unwrap(), "--no-snapshots", "--json", json.to_str().unwrap()])
         .env("HF_HUB_CACHE", dir.join("empty-cache"))
         .output()
@@ -162,7 +164,7 @@ fn bisect_skips_unjudgeable_commits_with_125_and_require_models_fails() {
     )
     .unwrap();
     let run = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_parity"))
+        command()
             .args(["run", file.to_str().unwrap(), "--no-snapshots"])
             .args(extra)
             .env("HF_HUB_CACHE", dir.join("empty-cache"))
@@ -226,6 +228,7 @@ fn generate_json_and_bad_checkpoint_errors() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["prompt_ids"], serde_json::json!([104, 105]));
     assert_eq!(v["tokens"].as_array().unwrap().len(), 3);
+    assert_eq!(v["device"], "cpu", "PARITY_DEVICE=cpu is honoured and recorded");
     let o = parity(&["generate", "/nonexistent/model", "--prompt", "hi"]);
     assert_ne!(code(&o), 0);
     assert!(text(&o).contains("/nonexistent/model") && !text(&o).contains("panicked"), "{}", text(&o));
@@ -287,4 +290,23 @@ fn a_prompt_longer_than_the_context_fails_only_its_own_rows() {
     for row in r["rows"].as_array().unwrap() {
         assert_eq!(row["pass"], row["prompt"] == "ok", "{row}");
     }
+}
+
+/// `--device gpu` either runs on the GPU (a Mac with Metal) and says so, or fails with exit 2
+/// and a sentence; it must never fall back to the CPU quietly, or a "GPU" nightly would check
+/// nothing of Metal.
+#[test]
+fn device_gpu_runs_there_or_fails_loudly() {
+    let args = ["generate", "fixtures/llama-tiny.toml", "--prompt", "hi", "--max-tokens", "2", "--json"];
+    let o = command().arg("--device").arg("gpu").args(args).output().expect("run parity");
+    if code(&o) == 0 {
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["device"], "gpu", "{}", text(&o));
+    } else {
+        assert_eq!(code(&o), 2, "{}", text(&o));
+        assert!(text(&o).contains("MLX device `gpu` is not available"), "{}", text(&o));
+    }
+    let o = command().env("PARITY_DEVICE", "tpu").args(args).output().expect("run parity");
+    assert_eq!(code(&o), 2);
+    assert!(text(&o).contains("unknown device `tpu`"), "{}", text(&o));
 }

@@ -1,12 +1,15 @@
 //! The fixture suite catches every planted fault (the full table runs in CI through
 //! `parity selftest`; this checks the machinery on one checkpoint).
 
+mod common;
+
 use parity::faults;
 use parity::run::{NoProgress, RunOptions};
 use parity::selftest;
 
 #[test]
 fn every_fault_is_caught_on_the_llama_fixture_and_the_clean_run_passes() {
+    common::cpu();
     let file = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("suites/fixtures.toml");
     let suite = parity::suite::load(&file).unwrap();
     let opts = RunOptions { filter: Some("llama-tiny/".into()), ..RunOptions::default() };

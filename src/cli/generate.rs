@@ -64,6 +64,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "dtype": model.dtype.name(),
             "kv": a.kv.name(),
             "dequantized": model.dequantized,
+            "device": crate::runtime::device(),
         });
         println!("{}", serde_json::to_string(&out)?);
     } else {

@@ -13,6 +13,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use crate::runtime::{self, DeviceChoice};
+
 /// Exit codes (documented in README): 0 pass, 1 parity failure or unaccepted snapshot change,
 /// 2 usage or suite error, 125 (with --bisect) a run that cannot be judged.
 pub const EXIT_FAIL: u8 = 1;
@@ -22,6 +24,10 @@ pub const EXIT_SKIP: u8 = 125;
 #[derive(Parser)]
 #[command(name = "parity", version, about = "Prove an MLX engine's paged KV-cache decode path matches its dense path")]
 struct Cli {
+    /// MLX device: auto (the GPU on Apple Silicon, else the CPU), cpu or gpu. Reports record it,
+    /// and GPU snapshots live apart from CPU ones (reports/<suite>/gpu/).
+    #[arg(long, global = true, env = "PARITY_DEVICE", default_value = "auto", value_name = "DEVICE")]
+    device: DeviceChoice,
     #[command(subcommand)]
     command: Command,
 }
@@ -54,6 +60,10 @@ pub fn main() -> ExitCode {
             return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { 0 });
         }
     };
+    if let Err(e) = runtime::use_device(cli.device) {
+        eprintln!("error: {e}");
+        return ExitCode::from(EXIT_USAGE);
+    }
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Inspect(a) => inspect::run(a),

@@ -7,6 +7,16 @@ use parity::checkpoint::{self, ModelConfig, Tokenizer};
 use parity::dtype::DtypeName;
 use parity::model::Model;
 
+/// Pin MLX to the CPU for this test process, once, before any array exists. The accepted
+/// snapshots and the mlx-lm references are CPU float32 results; on a Mac the default device is
+/// the GPU, whose arithmetic differs, so unpinned tests would fail there for no bug.
+pub fn cpu() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        parity::runtime::use_device(parity::runtime::DeviceChoice::Cpu).expect("the CPU device is always available");
+    });
+}
+
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -20,16 +30,19 @@ pub fn shared() -> PathBuf {
 }
 
 pub fn smollm2() -> PathBuf {
+    cpu();
     shared().join("checkpoints").join("smollm2-135m-instruct-4bit")
 }
 
 /// Generate (once) and return the directory of fixture `name` (fixtures/<name>.toml).
 pub fn fixture(name: &str) -> PathBuf {
+    cpu();
     let spec = repo().join("fixtures").join(format!("{name}.toml"));
     checkpoint::resolve(spec.to_str().expect("utf-8 path"), &repo()).expect("fixture")
 }
 
 pub fn load(dir: &std::path::Path) -> (Model, Tokenizer) {
+    cpu();
     let config = ModelConfig::load(dir).expect("config");
     let model = Model::load(dir, config, Some(DtypeName::Float32), false).expect("model");
     (model, Tokenizer::load(dir).expect("tokenizer"))
