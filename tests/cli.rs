@@ -68,6 +68,11 @@ fn snapshots_are_written_for_review_then_stable_once_accepted() {
     let o = parity(&args);
     assert_eq!(code(&o), 1, "{}", text(&o));
     assert!(Path::new(&format!("{}.new", first.display())).exists());
+    // `--update always` accepts it on the spot, says so, and leaves nothing pending.
+    let o = command().args(args).args(["--update", "always"]).output().expect("run parity");
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    assert!(text(&o).contains("accepted 1 snapshot under"), "{}", text(&o));
+    assert_eq!(snapshots(&dir), accepted);
 }
 
 #[test]

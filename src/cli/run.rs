@@ -225,9 +225,16 @@ pub fn run(a: Args) -> Result<ExitCode> {
         }
     } else {
         let dir = snapshot::dir(&reports_dir(&a.suite, &a.reports), &report);
-        let changes = snapshot::check(&dir, &snapshot::render(&report), mode)
+        let checked = snapshot::check(&dir, &snapshot::render(&report), mode)
             .with_context(|| format!("writing snapshots under {}", dir.display()))?;
-        report.summary.snapshot_changes = changes.iter().map(|p| p.display().to_string()).collect();
+        report.summary.snapshot_changes = checked.changes.iter().map(|p| p.display().to_string()).collect();
+        if !checked.accepted.is_empty() {
+            eprintln!(
+                "accepted {} under {}",
+                crate::report::table::plural(checked.accepted.len(), "snapshot"),
+                dir.display()
+            );
+        }
     }
     a.common.write_reports(&report)?;
     let color = std::io::stdout().is_terminal();
