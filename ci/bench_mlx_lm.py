@@ -143,9 +143,18 @@ def main():
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
 
-    # There is no GPU on Linux here; CPU on macOS would understate mlx-lm against Metal.
-    if sys.platform != "darwin":
+    # The same device choice as parity's (PARITY_DEVICE: auto, cpu or gpu), so that
+    # `PARITY_DEVICE=cpu` benchmarks both sides on the CPU; `parity bench --mlx-lm` refuses a
+    # baseline from another device. auto: the GPU on macOS, else the CPU (no GPU on Linux here).
+    wanted = os.environ.get("PARITY_DEVICE", "auto")
+    if wanted not in ("auto", "cpu", "gpu"):
+        p.error(f"PARITY_DEVICE={wanted}: expected auto, cpu or gpu")
+    if wanted == "cpu" or (wanted == "auto" and sys.platform != "darwin"):
         mx.set_default_device(mx.cpu)
+    elif wanted == "gpu":
+        if not mx.metal.is_available():
+            p.error("PARITY_DEVICE=gpu but this MLX has no GPU (Metal) backend")
+        mx.set_default_device(mx.gpu)
     device = "cpu" if mx.default_device().type == mx.DeviceType.cpu else "gpu"
 
     if args.check_reference:

@@ -81,19 +81,25 @@ pub fn run(a: Args) -> Result<ExitCode> {
             let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
+            // A GPU baseline against a CPU run (or other lengths/dtypes) would compare machines,
+            // not engines.
+            let device = crate::runtime::device();
             let same_setup = v["prompt_len"].as_u64() == Some(a.prompt_len as u64)
                 && v["decode"].as_u64() == Some(a.decode as u64)
-                && v["dtype"].as_str() == Some(model.dtype.name());
+                && v["dtype"].as_str() == Some(model.dtype.name())
+                && v["device"].as_str() == Some(device.as_str());
             if !same_setup {
                 anyhow::bail!(
-                    "{} was measured with prompt_len {}, decode {}, dtype {}; this run uses {}, {}, {}",
+                    "{} was measured with prompt_len {}, decode {}, dtype {}, device {}; this run uses {}, {}, {}, {}",
                     p.display(),
                     v["prompt_len"],
                     v["decode"],
                     v["dtype"],
+                    v["device"],
                     a.prompt_len,
                     a.decode,
-                    model.dtype.name()
+                    model.dtype.name(),
+                    device
                 );
             }
             Some(v)
