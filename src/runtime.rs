@@ -39,7 +39,8 @@ impl std::str::FromStr for DeviceChoice {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "auto" => Ok(Self::Auto),
+            // Empty is unset: workflows pass `PARITY_DEVICE: ${{ inputs.x }}`, empty when absent.
+            "" | "auto" => Ok(Self::Auto),
             "cpu" => Ok(Self::Cpu),
             "gpu" => Ok(Self::Gpu),
             other => Err(format!("unknown device `{other}` (expected auto, cpu or gpu)")),
