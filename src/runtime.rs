@@ -39,7 +39,8 @@ impl std::str::FromStr for DeviceChoice {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            // Empty is unset: workflows pass `PARITY_DEVICE: ${{ inputs.x }}`, empty when absent.
+            // Empty is unset, as for PARITY_UPDATE: a workflow's `${{ inputs.x }}` is empty when
+            // the input was not given.
             "" | "auto" => Ok(Self::Auto),
             "cpu" => Ok(Self::Cpu),
             "gpu" => Ok(Self::Gpu),

@@ -261,7 +261,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn buckets_separate_identical_noise_and_failures() {
+    fn buckets_separate_noise_from_failures() {
         assert_eq!(bucket(0.0, 1e-3), "within tolerance");
         assert_eq!(bucket(3.2e-7, 1e-3), "within tolerance");
         assert_eq!(bucket(1.0e-3, 1e-3), "within tolerance");
