@@ -59,8 +59,11 @@ pub struct StepMetrics {
 /// The top of a logits row: `(token, logit)`, best first.
 pub type Top = Vec<(u32, f32)>;
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Divergence {
+/// What the two sides chose at the first step where they differ, and the logits that decide
+/// whether it was a near-tie. Shared by the comparison and the report (flattened there), so
+/// the two cannot drift apart field by field.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Choice {
     pub step: usize,
     pub reference_token: u32,
     pub token: u32,
@@ -75,6 +78,12 @@ pub struct Divergence {
     pub tie_threshold: f32,
     /// Both tokens are in each other's top-k.
     pub mutual_top_k: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Divergence {
+    #[serde(flatten)]
+    pub choice: Choice,
     pub layout: StepLayout,
 }
 
@@ -177,15 +186,17 @@ pub fn compare(reference: &Trace, path: &PathTrace, dtype: DtypeName, tolerance:
             let near_tie = reference_gap <= tie_threshold && mutual_top_k && m.rel_rms <= tolerance;
             verdict = if near_tie { Verdict::NearTie } else { Verdict::Diverged };
             Some(Divergence {
-                step,
-                reference_token: r_tok,
-                token: a_tok,
-                reference_top,
-                top,
-                reference_gap,
-                observed_shift: m.max_abs,
-                tie_threshold,
-                mutual_top_k,
+                choice: Choice {
+                    step,
+                    reference_token: r_tok,
+                    token: a_tok,
+                    reference_top,
+                    top,
+                    reference_gap,
+                    observed_shift: m.max_abs,
+                    tie_threshold,
+                    mutual_top_k,
+                },
                 layout: path.layout.get(step).copied().unwrap_or_default(),
             })
         }

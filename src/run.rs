@@ -387,7 +387,7 @@ fn case_row(
         .iter()
         .enumerate()
         .max_by_key(|(_, cmp)| {
-            (cmp.verdict.rank(), std::cmp::Reverse(cmp.first_divergence.as_ref().map_or(usize::MAX, |d| d.step)))
+            (cmp.verdict.rank(), std::cmp::Reverse(cmp.first_divergence.as_ref().map_or(usize::MAX, |d| d.choice.step)))
         })
         .map(|(i, _)| i);
     let Some(w) = worst else {
@@ -417,16 +417,8 @@ fn case_row(
         let paged = u.backend == Backend::Paged;
         let bs = spec.settings.block_size;
         DivergenceReport {
-            step: d.step,
+            choice: d.choice.clone(),
             path: w,
-            reference_token: d.reference_token,
-            token: d.token,
-            reference_top: d.reference_top.clone(),
-            top: d.top.clone(),
-            reference_gap: d.reference_gap,
-            observed_shift: d.observed_shift,
-            tie_threshold: d.tie_threshold,
-            mutual_top_k: d.mutual_top_k,
             position: d.layout.position,
             position_mod_tile: d.layout.position % spec.settings.tile.max(1),
             kv_row: d.layout.kv_row,
@@ -450,7 +442,7 @@ fn judge(row: &mut Row, spec: &CheckpointSpec) {
     let mut why = Vec::new();
     if !spec.tolerance.allow.contains(&row.verdict) {
         why.push(match &row.first_divergence {
-            Some(d) => format!("{} at step {} (position {})", row.verdict.name(), d.step, d.position),
+            Some(d) => format!("{} at step {} (position {})", row.verdict.name(), d.choice.step, d.position),
             None => row.verdict.name().to_string(),
         });
     }

@@ -53,7 +53,7 @@ pub fn row_id(r: &Row) -> String {
 pub fn location(r: &Row) -> String {
     match &r.first_divergence {
         Some(d) => {
-            let mut s = format!("step {} pos {} (mod tile {})", d.step, d.position, d.position_mod_tile);
+            let mut s = format!("step {} pos {} (mod tile {})", d.choice.step, d.position, d.position_mod_tile);
             if let (Some(b), Some(o)) = (d.block_index, d.offset_in_block) {
                 s += &format!(" block {b}+{o}");
             }

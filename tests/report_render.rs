@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use parity::compare::Verdict;
+use parity::compare::{Choice, Verdict};
 use parity::report::diff::text_diff;
 use parity::report::merge::merge;
 use parity::report::{
@@ -48,16 +48,18 @@ fn row(checkpoint: &str, scenario: &str, case: &str, backend: &str, verdict: Ver
 
 fn divergence(step: usize, path: usize, kv_row: usize, block: Option<usize>) -> DivergenceReport {
     DivergenceReport {
-        step,
+        choice: Choice {
+            step,
+            reference_token: 12095,
+            token: 88701,
+            reference_top: vec![(12095, 18.25), (88701, 17.5), (279, 12.0)],
+            top: vec![(88701, 18.125), (12095, 16.875), (279, 12.0)],
+            reference_gap: 0.75,
+            observed_shift: 1.375,
+            tie_threshold: 1.375,
+            mutual_top_k: true,
+        },
         path,
-        reference_token: 12095,
-        token: 88701,
-        reference_top: vec![(12095, 18.25), (88701, 17.5), (279, 12.0)],
-        top: vec![(88701, 18.125), (12095, 16.875), (279, 12.0)],
-        reference_gap: 0.75,
-        observed_shift: 1.375,
-        tie_threshold: 1.375,
-        mutual_top_k: true,
         position: kv_row,
         position_mod_tile: kv_row % 32,
         kv_row,
@@ -115,7 +117,7 @@ fn report() -> Report {
     bad.failure = Some("diverged at step 1 (position 37); max relative RMS 4.100e-2 > tolerance 1.0e-2".into());
     let mut d = divergence(1, 0, 37, Some(2));
     d.pads_trimmed = 27;
-    d.mutual_top_k = false;
+    d.choice.mutual_top_k = false;
     bad.first_divergence = Some(d);
     bad.tokens = vec![576, 88701, 315, 9625];
     bad.text = Some("The capital of France is Lyon.".into());

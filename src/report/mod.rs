@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::compare::{Top, Verdict};
+use crate::compare::{Choice, Verdict};
 
 /// Bumped when a field changes meaning or disappears (additions keep the version).
 pub const SCHEMA_VERSION: u32 = 1;
@@ -125,17 +125,10 @@ pub struct Row {
 /// Where a path first chose differently from its reference, in layout terms.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct DivergenceReport {
-    pub step: usize,
+    #[serde(flatten)]
+    pub choice: Choice,
     /// Which of the case's paths (batch rows of a same-prompt batch).
     pub path: usize,
-    pub reference_token: u32,
-    pub token: u32,
-    pub reference_top: Top,
-    pub top: Top,
-    pub reference_gap: f32,
-    pub observed_shift: f32,
-    pub tie_threshold: f32,
-    pub mutual_top_k: bool,
     /// RoPE position of the token fed at that step.
     pub position: usize,
     pub position_mod_tile: usize,

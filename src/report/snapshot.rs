@@ -111,7 +111,7 @@ fn row(s: &mut String, r: &Row, tolerance: f32) {
     if let Some(d) = &r.first_divergence {
         let mut loc = format!(
             "step: {}, position: {}, position_mod_tile: {}, kv_row: {}",
-            d.step, d.position, d.position_mod_tile, d.kv_row
+            d.choice.step, d.position, d.position_mod_tile, d.kv_row
         );
         if let (Some(b), Some(o)) = (d.block_index, d.offset_in_block) {
             let _ = write!(loc, ", block: {b}, offset: {o}");
@@ -119,8 +119,8 @@ fn row(s: &mut String, r: &Row, tolerance: f32) {
         let _ =
             write!(loc, ", pads_trimmed: {}, batch_row: {}, batch_size: {}", d.pads_trimmed, d.batch_row, d.batch_size);
         let _ = writeln!(s, "    divergence: {{{loc}}}");
-        let _ = writeln!(s, "    reference_token: {}", d.reference_token);
-        let _ = writeln!(s, "    token: {}", d.token);
+        let _ = writeln!(s, "    reference_token: {}", d.choice.reference_token);
+        let _ = writeln!(s, "    token: {}", d.choice.token);
     }
     let _ = writeln!(s, "    tokens: {}", ids(&r.tokens));
     if r.tokens != r.reference_tokens {

@@ -174,15 +174,16 @@ pub(crate) fn details(row: &Row, checkpoint: Option<&CheckpointReport>) -> Vec<(
     out.push(("failure", row.failure.clone().unwrap_or_else(|| row.verdict.name().to_string())));
     if let Some(d) = &row.first_divergence {
         out.push(("divergence", location(d, row.paths, checkpoint)));
-        out.push(("reference", format!("{}; gap {:.3}", top2(&d.reference_top), d.reference_gap)));
-        let mutual = if d.mutual_top_k { "mutual" } else { "not mutual" };
+        let c = &d.choice;
+        out.push(("reference", format!("{}; gap {:.3}", top2(&c.reference_top), c.reference_gap)));
+        let mutual = if c.mutual_top_k { "mutual" } else { "not mutual" };
         out.push((
             "path",
             format!(
                 "{}; shift {:.3}, tie threshold {:.3}, {mutual} top-{TOP_K}",
-                top2(&d.top),
-                d.observed_shift,
-                d.tie_threshold
+                top2(&c.top),
+                c.observed_shift,
+                c.tie_threshold
             ),
         ));
     }
@@ -207,7 +208,7 @@ pub(crate) fn details(row: &Row, checkpoint: Option<&CheckpointReport>) -> Vec<(
 /// Where the path left its reference, in the terms of the cache layout: the position within
 /// a tile and the block/offset are what tell a RoPE bug from a block-boundary bug.
 pub(crate) fn location(d: &DivergenceReport, paths: usize, c: Option<&CheckpointReport>) -> String {
-    let mut s = format!("step {}", d.step);
+    let mut s = format!("step {}", d.choice.step);
     if paths > 1 {
         let _ = write!(s, ", path {} of {paths}", d.path);
     }
