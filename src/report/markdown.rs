@@ -6,7 +6,7 @@
 
 use std::fmt::Write;
 
-use super::table::{counts, details, failing, first_line, groups, plural, row_id};
+use super::table::{counts, details, failing, first_line, groups, plural};
 use super::{CheckpointStatus, Report, Row};
 use crate::compare::Verdict;
 
@@ -145,7 +145,7 @@ fn failures(out: &mut String, report: &Report) {
         let _ = writeln!(
             out,
             "<details>\n<summary><code>{}</code>: {}</summary>\n",
-            html(&row_id(row)),
+            html(&row.id()),
             html(first_line(Some(failure)))
         );
         let mut parts: Vec<String> = Vec::new();

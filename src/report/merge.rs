@@ -48,10 +48,7 @@ pub fn merge(reports: Vec<Report>) -> Result<Report, String> {
                 row.backend.as_str(),
             );
             if *seen.entry(key).or_insert(i) != i {
-                return Err(format!(
-                    "row {} is in more than one report (the same run given twice?)",
-                    super::table::row_id(row)
-                ));
+                return Err(format!("row {} is in more than one report (the same run given twice?)", row.id()));
             }
         }
     }

@@ -130,6 +130,25 @@ pub struct Row {
     pub kv: Option<crate::kv::KvStats>,
 }
 
+impl Row {
+    /// `checkpoint/prompt/scenario:case/backend`: the one id every report prints for a row,
+    /// and exactly what `--filter` matches (a substring of it), so an id copied from any
+    /// report selects that row.
+    pub fn id(&self) -> String {
+        row_id(&self.checkpoint, &self.prompt, &self.scenario, &self.case, &self.backend)
+    }
+
+    /// The id inside its checkpoint (JUnit's test name; the class is the checkpoint).
+    pub fn case_id(&self) -> String {
+        format!("{}/{}:{}/{}", self.prompt, self.scenario, self.case, self.backend)
+    }
+}
+
+/// A row's id from its parts, for selecting rows before they exist.
+pub fn row_id(checkpoint: &str, prompt: &str, scenario: &str, case: &str, path: &str) -> String {
+    format!("{checkpoint}/{prompt}/{scenario}:{case}/{path}")
+}
+
 /// Where a path first chose differently from its reference, in layout terms.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct DivergenceReport {
