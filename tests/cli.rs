@@ -3,28 +3,9 @@
 
 mod common;
 
+use common::{code, command, parity, text};
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-/// The binary as the tests run it: on the CPU (the accepted snapshots are CPU ones, also on a
-/// Mac), never accepting snapshots because of the caller's environment.
-fn command() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_parity"));
-    c.current_dir(common::repo()).env("PARITY_DEVICE", "cpu").env_remove("PARITY_UPDATE").env_remove("INSTA_UPDATE");
-    c
-}
-
-fn parity(args: &[&str]) -> Output {
-    command().args(args).output().expect("run parity")
-}
-
-fn code(o: &Output) -> i32 {
-    o.status.code().unwrap_or(-1)
-}
-
-fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
 
 fn snapshots(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     let mut v: Vec<(PathBuf, Vec<u8>)> = std::fs::read_dir(dir)

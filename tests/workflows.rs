@@ -4,27 +4,11 @@
 
 mod common;
 
+use common::{code, command, parity, text};
+
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Output, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
-
-fn command() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_parity"));
-    c.current_dir(common::repo()).env("PARITY_DEVICE", "cpu").env_remove("PARITY_UPDATE").env_remove("INSTA_UPDATE");
-    c
-}
-
-fn parity(args: &[&str]) -> Output {
-    command().args(args).output().expect("run parity")
-}
-
-fn code(o: &Output) -> i32 {
-    o.status.code().unwrap_or(-1)
-}
-
-fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
 
 fn json_rows(path: &std::path::Path) -> Vec<serde_json::Value> {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).expect("json")).expect("parse");
