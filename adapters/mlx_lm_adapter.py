@@ -359,11 +359,11 @@ class QuantizedPath(PerSequencePath):
     name = "QuantizedKVCache"
 
     def create(self, masked):
-        head_dims = {layer.self_attn.head_dim for layer in self.model.layers}
-        bad = sorted(d for d in head_dims if d % self.args.group_size)
-        if bad:
+        margs = self.model.args
+        head_dim = getattr(margs, "head_dim", None) or margs.hidden_size // margs.num_attention_heads
+        if head_dim % self.args.group_size:
             raise Unsupported(
-                f"QuantizedKVCache(group_size={self.args.group_size}) cannot hold head_dim {bad[0]}: "
+                f"QuantizedKVCache(group_size={self.args.group_size}) cannot hold head_dim {head_dim}: "
                 "mx.quantize groups the last dimension, which must be a multiple of the group size"
             )
         return super().create(masked)
