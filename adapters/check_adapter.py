@@ -389,6 +389,41 @@ def check_batch(rep, ad, prompts, refs, steps):
               f"trims {ra}, {rb}; row 0: {diffs[0]}; row 1: {diffs[1]}")
 
 
+def check_continuous(rep, ad, prompts, refs, steps, arrivals=(0, 0, 2, 3, 6), max_batch=3):
+    """Continuous batching: requests arrive at decode steps, are prefilled alone, join the
+    batched decode while there is room, leave (release) when done: every composition change
+    is an extract/filter/merge/extend in the batch path."""
+    ad.call("reset", faults=[])
+    waiting = [(k, k % len(prompts), at) for k, at in enumerate(arrivals)]
+    active, done, rows = {}, 0, {k: [] for k, _, _ in waiting}
+    t = 0
+    while done < len(arrivals):
+        for k, p, at in list(waiting):
+            if at <= t and len(active) < max_batch:
+                seq, first = prefill(ad, prompts[p])
+                active[k] = (seq, p)
+                rows[k].append(first)
+                waiting.remove((k, p, at))
+        if active:
+            ks = list(active)
+            feeds = [refs[active[k][1]][0][len(rows[k]) - 1] for k in ks]
+            _, logits = ad.forward([(active[k][0], [f], 0) for k, f in zip(ks, feeds)])
+            for k, row in zip(ks, logits):
+                rows[k].append(row)
+                if len(rows[k]) == steps + 1:
+                    ad.call("release", seq=active.pop(k)[0])
+                    done += 1
+        t += 1
+    diff = Diff()
+    for k, p, _ in [(k, k % len(prompts), 0) for k in range(len(arrivals))]:
+        for got, want in zip(rows[k], refs[p][1]):
+            diff.add(got, want)
+    stats = ad.call("stats")["stats"]
+    rep.check(diff.argmax_agree == diff.rows and stats["sequences"] == 0 and stats["bytes_in_use"] == 0,
+              f"(c) batch continuous batching (arrivals {list(arrivals)}, max batch {max_batch}) vs kv",
+              f"{diff}; after all released: {stats['sequences']} sequences, {stats['bytes_in_use']} B")
+
+
 def check_errors_and_release(rep, ad, label, prompt):
     ad.call("reset", faults=[])
     seq, _ = prefill(ad, prompt)
@@ -509,6 +544,7 @@ def main():
                 check_same_path_replay(rep, ad, path, prompts, refs, args.steps, expect_exact=path == "rotating")
             if path == "batch":
                 check_batch(rep, ad, prompts, refs, args.steps)
+                check_continuous(rep, ad, prompts, refs, args.steps)
             own = refs[0] if path in ("kv", "rotating") else clean_run(ad, prompts[0], args.steps, refs[0][0])
             check_rollback(rep, ad, path, prompts[0], own, args.steps)
             check_tile_padded(rep, ad, path, prompts[0], own, args.steps)
