@@ -7,11 +7,12 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::engine;
+use crate::engine::builtin::Builtin;
 use crate::error::Result;
 use crate::faults::Faults;
 use crate::kv::{Backend, KvCache, KvStats};
 use crate::model::{Model, RowStep};
-use crate::scenario::{Harness, Settings};
+use crate::scenario::Settings;
 
 /// Prompt ids shared with `ci/bench_mlx_lm.py`, so both runtimes do the same computation.
 pub fn prompt_ids(len: usize, vocab: usize) -> Vec<u32> {
@@ -109,20 +110,20 @@ fn once(model: &Model, kv: &mut dyn KvCache, lengths: &[usize], decode: usize) -
 
 pub fn bench(model: &Model, backends: &[Backend], batches: &[usize], o: BenchOptions) -> Result<Vec<BenchRow>> {
     let settings = Settings { block_size: o.block_size, poison: false, ..Settings::default() };
-    let h = Harness::new(model, settings, Faults::NONE);
+    let path = |backend| Builtin::new(model, backend, &settings);
     let mut rows = Vec::new();
     for &batch in batches {
         let lengths = ragged_lengths(o.prompt_len, batch);
         // Warm-up: first-touch allocation and MLX's lazy initialisation, not measured.
         for &backend in backends {
-            once(model, h.kv(backend)?.as_mut(), &lengths, o.decode.min(4))?;
+            once(model, path(backend).kv(Faults::NONE)?.as_mut(), &lengths, o.decode.min(4))?;
         }
         // Repetitions alternate the backends, so drift in a shared machine's speed lands on
         // both sides of the ratio instead of on one.
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); backends.len()];
         for _ in 0..o.reps.max(1) {
             for (i, &backend) in backends.iter().enumerate() {
-                samples[i].push(once(model, h.kv(backend)?.as_mut(), &lengths, o.decode)?);
+                samples[i].push(once(model, path(backend).kv(Faults::NONE)?.as_mut(), &lengths, o.decode)?);
             }
         }
         for (&backend, s) in backends.iter().zip(samples) {

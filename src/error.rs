@@ -54,6 +54,16 @@ pub enum Error {
 
     #[error("{0}")]
     Invalid(String),
+
+    /// The path cannot do what a case needs (no left padding, no prefix sharing, a batch too
+    /// large): the case is skipped with this sentence, never failed and never silently passed.
+    #[error("{0}")]
+    Unsupported(String),
+
+    /// An engine outside parity (an adapter process) failed: what it was asked, what went
+    /// wrong, and the tail of its stderr.
+    #[error("engine {engine}, path `{path}`: {message}")]
+    Engine { engine: String, path: String, message: String },
 }
 
 fn searched_list(p: &[PathBuf]) -> String {

@@ -17,6 +17,7 @@ pub mod faults;
 pub mod fixture;
 pub mod kv;
 pub mod model;
+pub mod proc;
 pub mod report;
 pub mod run;
 pub mod runtime;

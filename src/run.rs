@@ -7,14 +7,14 @@ use std::time::Instant;
 
 use crate::checkpoint::{self, ModelConfig, Tokenizer};
 use crate::compare::{self, PathComparison, Verdict, nan_max};
+use crate::engine::{self, EnginePath, PathInfo};
 use crate::error::{Error, Result};
 use crate::faults::Faults;
-use crate::kv::Backend;
 use crate::model::Model;
 use crate::report::{
     CheckpointReport, CheckpointStatus, DivergenceReport, Phase, Report, Row, SCHEMA_VERSION, Shard, Summary, finite,
 };
-use crate::scenario::{self, CaseOutput, Harness, Live, Prompt, Scenario};
+use crate::scenario::{self, CaseOutput, Harness, Live, Outcome, Prompt, Scenario};
 use crate::suite::{CheckpointSpec, PromptSource, PromptSpec, Suite};
 
 #[derive(Debug, Clone, Default)]
@@ -22,7 +22,8 @@ pub struct RunOptions {
     /// Keep rows whose `checkpoint/prompt/scenario/backend` contains this text.
     pub filter: Option<String>,
     pub scenarios: Option<Vec<Scenario>>,
-    pub backends: Option<Vec<Backend>>,
+    /// Only these paths (`--backend`).
+    pub backends: Option<Vec<String>>,
     pub shard: Option<Shard>,
     /// An absent checkpoint is an error row instead of a skipped one.
     pub require_models: bool,
@@ -40,10 +41,10 @@ pub trait Progress {
 pub struct NoProgress;
 impl Progress for NoProgress {}
 
-/// A (scenario, backend) pair of one checkpoint: the unit of work and of sharding.
+/// A (scenario, path) pair of one checkpoint: the unit of work (shards split by scenario).
 struct Unit {
     scenario: Scenario,
-    backend: Backend,
+    path: String,
     prompts: Vec<usize>,
 }
 
@@ -93,8 +94,8 @@ fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usi
         if !mine {
             continue;
         }
-        for &backend in &spec.backends {
-            if opts.backends.as_ref().is_some_and(|b| !b.contains(&backend)) {
+        for path in &spec.paths {
+            if opts.backends.as_ref().is_some_and(|b| !b.contains(path)) {
                 continue;
             }
             let prompts: Vec<usize> = suite
@@ -103,13 +104,13 @@ fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usi
                 .enumerate()
                 .filter(|(_, p)| spec.prompts.contains(&p.name))
                 .filter(|(_, p)| {
-                    let id = format!("{}/{}/{}/{}", spec.name, p.name, scenario.name(), backend.name());
+                    let id = format!("{}/{}/{}/{}", spec.name, p.name, scenario.name(), path);
                     opts.filter.as_ref().is_none_or(|f| id.contains(f.as_str()))
                 })
                 .map(|(i, _)| i)
                 .collect();
             if !prompts.is_empty() {
-                units.push(Unit { scenario, backend, prompts });
+                units.push(Unit { scenario, path: path.clone(), prompts });
             }
         }
     }
@@ -130,6 +131,9 @@ fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> Checkpo
         allowed_verdicts: spec.tolerance.allow.clone(),
         phases: Vec::new(),
         noise_floor: BTreeMap::new(),
+        engine: None,
+        reference_engine: None,
+        reference_path: None,
     }
 }
 
@@ -138,7 +142,7 @@ fn blanket_rows(suite: &Suite, spec: &CheckpointSpec, units: &[Unit], verdict: V
     let mut rows = Vec::new();
     for u in units {
         for &p in &u.prompts {
-            let mut row = empty_row(spec, &suite.prompts[p].name, u.scenario, "*", u.backend, verdict);
+            let mut row = empty_row(spec, &suite.prompts[p].name, u.scenario, "*", &u.path, verdict);
             row.pass = verdict == Verdict::Skipped;
             row.failure = (verdict != Verdict::Skipped).then(|| why.to_string());
             row.notes.push(why.lines().next().unwrap_or(why).to_string());
@@ -148,20 +152,13 @@ fn blanket_rows(suite: &Suite, spec: &CheckpointSpec, units: &[Unit], verdict: V
     rows
 }
 
-fn empty_row(
-    spec: &CheckpointSpec,
-    prompt: &str,
-    scenario: Scenario,
-    case: &str,
-    backend: Backend,
-    verdict: Verdict,
-) -> Row {
+fn empty_row(spec: &CheckpointSpec, prompt: &str, scenario: Scenario, case: &str, path: &str, verdict: Verdict) -> Row {
     Row {
         checkpoint: spec.name.clone(),
         prompt: prompt.to_string(),
         scenario: scenario.name().to_string(),
         case: case.to_string(),
-        backend: backend.name().to_string(),
+        backend: path.to_string(),
         verdict,
         pass: false,
         failure: None,
@@ -209,7 +206,7 @@ fn run_checkpoint(
     let t = Instant::now();
     let loaded = load(&dir, spec);
     report.phases.push(Phase { name: "load".into(), seconds: t.elapsed().as_secs_f64() });
-    let (model, tokenizer) = match loaded {
+    let (config, tokenizer, model) = match loaded {
         Ok(x) => x,
         Err(e) => {
             let why = e.to_string();
@@ -218,19 +215,49 @@ fn run_checkpoint(
             return (report, blanket_rows(suite, spec, units, Verdict::Error, &why));
         }
     };
-    report.dtype = model.dtype.name().to_string();
+
+    // The engine: the reference path first (nothing can be judged without it), then every
+    // path a unit needs. A path that cannot start fails its own rows only.
+    let t = Instant::now();
+    let suite_dir = suite.dir();
+    let open = |name: Option<&str>| engine::open(spec, name, model.as_ref(), &dir, &suite_dir);
+    let mut reference = match open(None) {
+        Ok(r) => r,
+        Err(e) => {
+            let why = format!("reference path {}: {e}", spec.engine.reference().describe());
+            report.status = CheckpointStatus::Error;
+            report.reason = Some(why.clone());
+            return (report, blanket_rows(suite, spec, units, Verdict::Error, &why));
+        }
+    };
+    let mut paths: BTreeMap<String, std::result::Result<Box<dyn EnginePath + '_>, String>> = BTreeMap::new();
+    for u in units {
+        if !paths.contains_key(&u.path) {
+            paths.insert(u.path.clone(), open(Some(&u.path)).map_err(|e| e.to_string()));
+        }
+    }
+    if !matches!(spec.engine, crate::suite::EngineSpec::Builtin) {
+        report.phases.push(Phase { name: "start".into(), seconds: t.elapsed().as_secs_f64() });
+    }
+    let reference_info = reference.info().clone();
+    report.dtype = reference_info.dtype.name().to_string();
+    report.reference_engine = Some(reference_info.engine.clone());
+    report.reference_path = Some(reference_info.name.clone());
+    report.engine = paths.values().find_map(|p| p.as_ref().ok()).map(|p| p.info().engine.clone());
 
     // Prompts, encoded once. A prompt that cannot be encoded fails its own rows only.
     let mut prompts: BTreeMap<usize, std::result::Result<Prompt, String>> = BTreeMap::new();
     for u in units {
         for &p in &u.prompts {
             prompts.entry(p).or_insert_with(|| {
-                encode(&suite.prompts[p], &tokenizer, &model, spec.settings.max_tokens).map_err(|e| e.to_string())
+                encode(&suite.prompts[p], &tokenizer, &config, reference_info.vocab_size, spec.settings.max_tokens)
+                    .map_err(|e| e.to_string())
             });
         }
     }
 
-    let mut harness = Harness::new(&model, spec.settings.clone(), opts.faults);
+    let pad = config.pad_token_id.or_else(|| config.eos_token_ids.first().copied()).unwrap_or(0);
+    let mut harness = Harness::new(reference.as_mut(), spec.settings.clone(), opts.faults, pad);
     let t = Instant::now();
     let good: Vec<(usize, Prompt)> =
         prompts.iter().filter_map(|(&i, p)| p.as_ref().ok().map(|p| (i, p.clone()))).collect();
@@ -243,7 +270,7 @@ fn run_checkpoint(
             continue;
         }
         // A measurement aid: if it cannot be taken, the floor is unknown (null), not a failure.
-        let floor = harness.fault_free(|h| noise_floor(h, p, &all)).ok().flatten();
+        let floor = noise_floor(&mut harness, p, &all).ok().flatten();
         floors.insert(p.name.clone(), floor);
         report.noise_floor.insert(p.name.clone(), floor);
     }
@@ -251,7 +278,7 @@ fn run_checkpoint(
 
     let mut rows = Vec::new();
     for u in units {
-        let label = format!("{} {}", u.scenario.name(), u.backend.name());
+        let label = format!("{} {}", u.scenario.name(), u.path);
         progress.unit(&label);
         let t = Instant::now();
         let mut ok_prompts = Vec::new();
@@ -259,46 +286,52 @@ fn run_checkpoint(
             match &prompts[&p] {
                 Ok(prompt) => ok_prompts.push(prompt.clone()),
                 Err(why) => {
-                    let mut row = empty_row(spec, &suite.prompts[p].name, u.scenario, "*", u.backend, Verdict::Error);
+                    let mut row = empty_row(spec, &suite.prompts[p].name, u.scenario, "*", &u.path, Verdict::Error);
                     row.failure = Some(why.clone());
                     rows.push(row);
                 }
             }
         }
         if !ok_prompts.is_empty() {
-            match u.scenario.run(&mut harness, u.backend, &ok_prompts) {
-                Ok(cases) => {
-                    for c in cases {
-                        rows.push(case_row(&mut harness, spec, u, &c, &tokenizer, &floors));
+            match paths.get_mut(&u.path) {
+                Some(Ok(path)) => {
+                    let info = path.info().clone();
+                    for c in u.scenario.run(&mut harness, path.as_mut(), &ok_prompts) {
+                        rows.push(case_row(&mut harness, spec, u, &c, &tokenizer, &floors, &info));
                     }
                 }
-                Err(e) => {
+                Some(Err(why)) => {
                     for p in &ok_prompts {
-                        let mut row = empty_row(spec, &p.name, u.scenario, "*", u.backend, Verdict::Error);
-                        row.failure = Some(format!("{} on {}: {e}", u.scenario.name(), u.backend.name()));
+                        let mut row = empty_row(spec, &p.name, u.scenario, "*", &u.path, Verdict::Error);
+                        row.failure = Some(format!("path {} did not start: {why}", u.path));
                         rows.push(row);
                     }
                 }
+                None => {}
             }
         }
-        let name = format!("{} {}", u.scenario.name(), u.backend.name());
-        report.phases.push(Phase { name, seconds: t.elapsed().as_secs_f64() });
+        report.phases.push(Phase { name: label, seconds: t.elapsed().as_secs_f64() });
         progress.unit_done();
     }
     (report, rows)
 }
 
-/// Config, tokenizer and weights; every error names its file.
-fn load(dir: &std::path::Path, spec: &CheckpointSpec) -> Result<(Model, Tokenizer)> {
+/// Config, tokenizer and, when a builtin path or reference needs them, the weights; every
+/// error names its file. An adapter loads the weights itself.
+fn load(dir: &std::path::Path, spec: &CheckpointSpec) -> Result<(ModelConfig, Tokenizer, Option<Model>)> {
     let config = ModelConfig::load(dir)?;
     let tokenizer = Tokenizer::load(dir)?;
-    let model = Model::load(dir, config, spec.dtype.resolve(), spec.dequantize)?;
-    Ok((model, tokenizer))
+    let model = if spec.engine.needs_builtin() {
+        Some(Model::load(dir, config.clone(), spec.dtype.resolve(), spec.dequantize)?)
+    } else {
+        None
+    };
+    Ok((config, tokenizer, model))
 }
 
 /// Encode a suite prompt for this checkpoint, apply `length`, and check it fits the context
 /// with the tokens to generate.
-fn encode(p: &PromptSpec, tok: &Tokenizer, model: &Model, max_tokens: usize) -> Result<Prompt> {
+fn encode(p: &PromptSpec, tok: &Tokenizer, config: &ModelConfig, vocab: usize, max_tokens: usize) -> Result<Prompt> {
     let mut ids = match &p.source {
         PromptSource::Text(t) => tok.encode_raw(t)?,
         PromptSource::Chat(t) => tok.encode_chat(t)?,
@@ -310,7 +343,7 @@ fn encode(p: &PromptSpec, tok: &Tokenizer, model: &Model, max_tokens: usize) -> 
     if let Some(n) = p.length {
         ids = ids.iter().copied().cycle().take(n).collect();
     }
-    let context = model.config.max_position_embeddings;
+    let context = config.max_position_embeddings;
     if ids.len() + max_tokens > context {
         return Err(Error::Invalid(format!(
             "prompt `{}`: {} tokens plus {max_tokens} to generate exceed the context of {context} \
@@ -319,7 +352,6 @@ fn encode(p: &PromptSpec, tok: &Tokenizer, model: &Model, max_tokens: usize) -> 
             ids.len()
         )));
     }
-    let vocab = model.config.vocab_size;
     if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
         return Err(Error::Invalid(format!(
             "prompt `{}`: token id {bad} is outside the vocabulary of {vocab}",
@@ -329,8 +361,8 @@ fn encode(p: &PromptSpec, tok: &Tokenizer, model: &Model, max_tokens: usize) -> 
     Ok(Prompt { name: p.name.clone(), ids })
 }
 
-/// The reference re-run in a different batch composition (as row 1 of a dense batch of two,
-/// next to another prompt): how far apart two correct runs are on this machine.
+/// The reference re-run in a different batch composition (as row 1 of a batch of two on the
+/// reference path, next to another prompt): how far apart two correct runs are on this machine.
 fn noise_floor(h: &mut Harness, p: &Prompt, all: &[Prompt]) -> Result<Option<f32>> {
     let partner = all
         .iter()
@@ -339,12 +371,16 @@ fn noise_floor(h: &mut Harness, p: &Prompt, all: &[Prompt]) -> Result<Option<f32
         .unwrap_or_else(|| Prompt { name: "reversed".into(), ids: p.ids.iter().rev().copied().collect() });
     let (reference, partner_ref) = (h.reference(&p.ids)?, h.reference(&partner.ids)?);
     let steps = h.settings.max_tokens;
-    let mut kv = h.kv(Backend::Dense)?;
-    let mut lives = [Live::new(kv.create(0)?, &partner_ref, steps), Live::new(kv.create(0)?, &reference, steps)];
-    scenario::prefill(h.model, kv.as_mut(), &mut lives[0], &partner.ids)?;
-    scenario::prefill(h.model, kv.as_mut(), &mut lives[1], &p.ids)?;
-    scenario::decode_all(h.model, kv.as_mut(), &mut lives)?;
-    let cmp = compare::compare(&reference, &lives[1].trace, h.model.dtype, f32::INFINITY)?;
+    let info = h.reference_info().clone();
+    if info.capabilities.max_batch.is_some_and(|m| m < 2) {
+        return Ok(None);
+    }
+    let mut s = h.reference_session()?;
+    let mut lives = [Live::new(s.create(0)?, &partner_ref, steps), Live::new(s.create(0)?, &reference, steps)];
+    scenario::prefill(s.as_mut(), &mut lives[0], &partner.ids)?;
+    scenario::prefill(s.as_mut(), &mut lives[1], &p.ids)?;
+    scenario::decode_all(s.as_mut(), &mut lives)?;
+    let cmp = compare::compare(&reference, &lives[1].trace, info.dtype, f32::INFINITY)?;
     Ok(finite(cmp.max_rel_rms))
 }
 
@@ -356,12 +392,27 @@ fn case_row(
     c: &CaseOutput,
     tok: &Tokenizer,
     floors: &BTreeMap<String, Option<f32>>,
+    path: &PathInfo,
 ) -> Row {
     let base_prompt = c.prompt.name.split('/').next().unwrap_or(&c.prompt.name).to_string();
-    let mut row = empty_row(spec, &c.prompt.name, u.scenario, &c.case, u.backend, Verdict::Identical);
+    let mut row = empty_row(spec, &c.prompt.name, u.scenario, &c.case, &u.path, Verdict::Identical);
     row.notes = c.notes.clone();
+    match &c.outcome {
+        Outcome::Ran => {}
+        Outcome::Skipped(why) => {
+            row.verdict = Verdict::Skipped;
+            row.pass = true;
+            row.notes.push(why.clone());
+            return row;
+        }
+        Outcome::Failed(why) => {
+            row.verdict = Verdict::Error;
+            row.failure = Some(format!("{} on {}: {why}", u.scenario.name(), u.path));
+            return row;
+        }
+    }
     row.paths = c.paths.len();
-    row.kv = Some(c.kv);
+    row.kv = c.kv;
     row.noise_floor_rel_rms = floors.get(&base_prompt).copied().flatten();
     let reference = match h.reference(&c.prompt.ids) {
         Ok(r) => r,
@@ -372,8 +423,8 @@ fn case_row(
         }
     };
     let mut comparisons: Vec<PathComparison> = Vec::new();
-    for path in &c.paths {
-        match compare::compare(&reference, path, h.model.dtype, spec.tolerance.max_rel_rms) {
+    for trace in &c.paths {
+        match compare::compare(&reference, trace, path.dtype, spec.tolerance.max_rel_rms) {
             Ok(cmp) => comparisons.push(cmp),
             Err(e) => {
                 row.verdict = Verdict::Error;
@@ -414,16 +465,15 @@ fn case_row(
     row.max_kl = finite(max_kl);
     row.step_rel_rms = step_rms.into_iter().map(finite).collect();
     row.first_divergence = cmp.first_divergence.as_ref().map(|d| {
-        let paged = u.backend == Backend::Paged;
-        let bs = spec.settings.block_size;
+        let blocks = path.capabilities.block_size.filter(|&bs| bs > 0);
         DivergenceReport {
             choice: d.choice.clone(),
             path: w,
             position: d.layout.position,
             position_mod_tile: d.layout.position % spec.settings.tile.max(1),
             kv_row: d.layout.kv_row,
-            block_index: paged.then(|| d.layout.kv_row / bs),
-            offset_in_block: paged.then(|| d.layout.kv_row % bs),
+            block_index: blocks.map(|bs| d.layout.kv_row / bs),
+            offset_in_block: blocks.map(|bs| d.layout.kv_row % bs),
             pads_trimmed: d.layout.pads_trimmed,
             batch_row: d.layout.batch_row,
             batch_size: d.layout.batch_size,

@@ -15,6 +15,70 @@ use crate::dtype::DtypeSetting;
 use crate::kv::Backend;
 use crate::scenario::{self, Scenario, Settings};
 
+/// Which engine serves a checkpoint's paths (`[engine]`, or `engine = {...}` on a checkpoint).
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineSpec {
+    /// parity's own runtime: paths `dense` and `paged`, reference `dense`.
+    Builtin,
+    /// An adapter process per path, speaking the step protocol (docs/step-protocol.md).
+    Process(ProcessSpec),
+}
+
+impl EngineSpec {
+    /// The path names this engine offers, in the order written.
+    pub fn path_names(&self) -> Vec<String> {
+        match self {
+            EngineSpec::Builtin => vec![Backend::Dense.name().into(), Backend::Paged.name().into()],
+            EngineSpec::Process(p) => p.paths.iter().map(|(n, _)| n.clone()).collect(),
+        }
+    }
+
+    pub fn reference(&self) -> ReferenceSpec {
+        match self {
+            EngineSpec::Builtin => ReferenceSpec::Builtin(Backend::Dense),
+            EngineSpec::Process(p) => p.reference.clone(),
+        }
+    }
+
+    /// parity must load the weights itself (a builtin path or a builtin reference).
+    pub fn needs_builtin(&self) -> bool {
+        matches!(self.reference(), ReferenceSpec::Builtin(_)) || matches!(self, EngineSpec::Builtin)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProcessSpec {
+    /// argv template: `{model}`, `{path}`, `{suite_dir}`, `{parity}` are substituted.
+    pub command: Vec<String>,
+    /// Path name and the extra arguments appended to `command` for it.
+    pub paths: Vec<(String, Vec<String>)>,
+    pub reference: ReferenceSpec,
+    /// Longest any one request may take.
+    pub timeout: std::time::Duration,
+    /// Longest from spawn to the hello reply (model load).
+    pub start_timeout: std::time::Duration,
+}
+
+/// Where a checkpoint's references come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReferenceSpec {
+    /// A path of the checkpoint's own engine.
+    Path(String),
+    /// A path of parity's builtin runtime on the same checkpoint (`builtin:dense`): an engine
+    /// checked against an independent implementation, not only against itself.
+    Builtin(Backend),
+}
+
+impl ReferenceSpec {
+    /// As reports print it: `dense (builtin)` or `KVCache`.
+    pub fn describe(&self) -> String {
+        match self {
+            ReferenceSpec::Path(p) => p.clone(),
+            ReferenceSpec::Builtin(b) => format!("builtin:{}", b.name()),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct SuiteError {
     pub file: PathBuf,
@@ -63,7 +127,9 @@ pub struct CheckpointSpec {
     pub reference: String,
     pub dtype: DtypeSetting,
     pub dequantize: bool,
-    pub backends: Vec<Backend>,
+    pub engine: EngineSpec,
+    /// The engine paths this checkpoint runs (`backends` in the suite), in order.
+    pub paths: Vec<String>,
     pub scenarios: Vec<Scenario>,
     pub settings: Settings,
     pub tolerance: Tolerance,
@@ -96,6 +162,7 @@ struct RawSuite {
     description: Option<String>,
     dtype: Option<Spanned<String>>,
     dequantize: Option<bool>,
+    engine: Option<Spanned<RawEngine>>,
     backends: Option<Vec<Spanned<String>>>,
     scenarios: Option<Vec<Spanned<String>>>,
     settings: Option<SettingsPatch>,
@@ -124,11 +191,46 @@ struct RawCheckpoint {
     repo: Option<Spanned<String>>,
     dtype: Option<Spanned<String>>,
     dequantize: Option<bool>,
+    engine: Option<Spanned<RawEngine>>,
     backends: Option<Vec<Spanned<String>>>,
     scenarios: Option<Vec<Spanned<String>>>,
     prompts: Option<Vec<Spanned<String>>>,
     settings: Option<SettingsPatch>,
     tolerance: Option<TolerancePatch>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEngine {
+    kind: Spanned<String>,
+    command: Option<Spanned<Vec<String>>>,
+    paths: Option<Spanned<OrderedPaths>>,
+    reference: Option<Spanned<String>>,
+    timeout: Option<Spanned<f64>>,
+    start_timeout: Option<Spanned<f64>>,
+}
+
+/// `[engine.paths]` in the order written (it decides the order paths run and are reported).
+struct OrderedPaths(Vec<(String, Vec<String>)>);
+
+impl<'de> Deserialize<'de> for OrderedPaths {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = OrderedPaths;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a table of path name = [extra arguments]")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<OrderedPaths, A::Error> {
+                let mut out = Vec::new();
+                while let Some((k, v)) = map.next_entry::<String, Vec<String>>()? {
+                    out.push((k, v));
+                }
+                Ok(OrderedPaths(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
 }
 
 /// Settings as a suite or checkpoint writes them: each key optional, applied over defaults.
@@ -252,9 +354,115 @@ impl Ctx<'_> {
             .collect()
     }
 
-    fn backends(&self, list: &[Spanned<String>]) -> Result<Vec<Backend>, SuiteError> {
-        list.iter().map(|b| b.get_ref().parse().map_err(|e: String| self.err(b.span(), e))).collect()
+    /// Path names a checkpoint runs: each must be a path of its engine, none twice.
+    fn paths(&self, list: &[Spanned<String>], engine: &EngineSpec) -> Result<Vec<String>, SuiteError> {
+        let known = engine.path_names();
+        let mut out: Vec<String> = Vec::new();
+        for b in list {
+            let name = b.get_ref();
+            if !known.contains(name) {
+                return Err(self.err(b.span(), format!("unknown path `{name}`; this engine has {}", known.join(", "))));
+            }
+            if out.contains(name) {
+                return Err(self.err(b.span(), format!("path `{name}` is listed twice")));
+            }
+            out.push(name.clone());
+        }
+        Ok(out)
     }
+
+    fn engine(&self, raw: &Spanned<RawEngine>) -> Result<EngineSpec, SuiteError> {
+        let e = raw.get_ref();
+        let only_process = |what: &str, span: std::ops::Range<usize>| {
+            self.err(span, format!("engine.{what} is only for kind = \"process\""))
+        };
+        match e.kind.get_ref().as_str() {
+            "builtin" => {
+                if let Some(c) = &e.command {
+                    return Err(only_process("command", c.span()));
+                }
+                if let Some(p) = &e.paths {
+                    return Err(only_process("paths", p.span()));
+                }
+                if let Some(r) = &e.reference {
+                    return Err(only_process("reference", r.span()));
+                }
+                Ok(EngineSpec::Builtin)
+            }
+            "process" => {
+                let command = e
+                    .command
+                    .as_ref()
+                    .ok_or_else(|| self.err(raw.span(), "engine: kind = \"process\" needs `command` (an argv list)"))?;
+                if command.get_ref().is_empty() || command.get_ref()[0].is_empty() {
+                    return Err(self.err(command.span(), "engine.command: give the program and its arguments"));
+                }
+                let paths = e.paths.as_ref().ok_or_else(|| {
+                    self.err(raw.span(), "engine: kind = \"process\" needs [engine.paths] (name = [extra arguments])")
+                })?;
+                if paths.get_ref().0.is_empty() {
+                    return Err(self.err(paths.span(), "engine.paths: name at least one path"));
+                }
+                for (name, _) in &paths.get_ref().0 {
+                    if let Err(why) = check_path_name(name) {
+                        return Err(self.err(paths.span(), format!("engine.paths: `{name}`: {why}")));
+                    }
+                }
+                let names: Vec<&str> = paths.get_ref().0.iter().map(|(n, _)| n.as_str()).collect();
+                let reference = match &e.reference {
+                    None => ReferenceSpec::Path(names[0].to_string()),
+                    Some(r) => match r.get_ref().strip_prefix("builtin:") {
+                        Some(b) => ReferenceSpec::Builtin(
+                            b.parse().map_err(|m: String| self.err(r.span(), format!("engine.reference: {m}")))?,
+                        ),
+                        None if names.contains(&r.get_ref().as_str()) => ReferenceSpec::Path(r.get_ref().clone()),
+                        None => {
+                            return Err(self.err(
+                                r.span(),
+                                format!(
+                                    "engine.reference: `{}` is not a path of this engine ({}) nor builtin:dense / builtin:paged",
+                                    r.get_ref(),
+                                    names.join(", ")
+                                ),
+                            ));
+                        }
+                    },
+                };
+                Ok(EngineSpec::Process(ProcessSpec {
+                    command: command.get_ref().clone(),
+                    paths: paths.get_ref().0.clone(),
+                    reference,
+                    timeout: self.seconds("engine.timeout", &e.timeout, 120.0)?,
+                    start_timeout: self.seconds("engine.start_timeout", &e.start_timeout, 300.0)?,
+                }))
+            }
+            other => {
+                Err(self
+                    .err(e.kind.span(), format!("engine.kind: unknown kind `{other}`; expected builtin or process")))
+            }
+        }
+    }
+
+    fn seconds(&self, key: &str, v: &Option<Spanned<f64>>, default: f64) -> Result<std::time::Duration, SuiteError> {
+        let Some(v) = v else { return Ok(std::time::Duration::from_secs_f64(default)) };
+        let x = *v.get_ref();
+        if !(x.is_finite() && x > 0.0 && x <= 86_400.0) {
+            return Err(self.err(v.span(), format!("{key}: {x} must be a number of seconds in (0, 86400]")));
+        }
+        Ok(std::time::Duration::from_secs_f64(x))
+    }
+}
+
+/// A path name becomes part of report ids and file names: a plain word, nothing that can
+/// climb out of a directory.
+fn check_path_name(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() || name.len() > 64 {
+        return Err("a path name has 1 to 64 characters");
+    }
+    if name.starts_with('.') || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+        return Err("a path name uses letters, digits, `-`, `_` and `.` (not first)");
+    }
+    Ok(())
 }
 
 /// Tolerance defaults by dtype: float32 paths match to ~1e-6 when correct and a real bug moves
@@ -285,9 +493,9 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
     })?;
 
     let suite_dtype = raw.dtype.as_ref().map(|d| cx.dtype(d)).transpose()?.unwrap_or(DtypeSetting::Float32);
-    let suite_backends = match &raw.backends {
-        Some(b) => cx.backends(b)?,
-        None => vec![Backend::Dense, Backend::Paged],
+    let suite_engine = match &raw.engine {
+        Some(e) => cx.engine(e)?,
+        None => EngineSpec::Builtin,
     };
     let suite_scenarios = match &raw.scenarios {
         Some(s) => cx.scenarios(s)?,
@@ -361,15 +569,21 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             }
             None => prompts.iter().map(|p| p.name.clone()).collect(),
         };
+        let engine = match &c.engine {
+            Some(e) => cx.engine(e)?,
+            None => suite_engine.clone(),
+        };
+        let paths = match c.backends.as_ref().or(raw.backends.as_ref()) {
+            Some(b) => cx.paths(b, &engine)?,
+            None => engine.path_names(),
+        };
         checkpoints.push(CheckpointSpec {
             name,
             reference,
             dtype,
             dequantize: c.dequantize.or(raw.dequantize).unwrap_or(false),
-            backends: match &c.backends {
-                Some(b) => cx.backends(b)?,
-                None => suite_backends.clone(),
-            },
+            engine,
+            paths,
             scenarios: match &c.scenarios {
                 Some(s) => cx.scenarios(s)?,
                 None => suite_scenarios.clone(),

@@ -7,7 +7,7 @@ use std::path::Path;
 use parity::Error;
 use parity::checkpoint::{self, ModelConfig};
 use parity::dtype::DtypeName;
-use parity::engine;
+use parity::engine::builtin as engine;
 use parity::faults::Faults;
 use parity::kv::{DenseCache, PagedBlockPool, PoolOptions};
 use parity::model::Model;

@@ -94,6 +94,9 @@ fn checkpoint(name: &str, reference: &str, status: CheckpointStatus) -> Checkpoi
             vec![]
         },
         noise_floor: if ran { BTreeMap::from([("len37".to_string(), Some(3.2e-6))]) } else { BTreeMap::new() },
+        engine: None,
+        reference_engine: None,
+        reference_path: None,
     }
 }
 

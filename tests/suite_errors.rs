@@ -84,7 +84,39 @@ fn prompt_needs_exactly_one_source() {
 #[test]
 fn unknown_dtype_and_backend() {
     assert_at(&GOOD.replace("name = \"t\"", "name = \"t\"\ndtype = \"float8\""), 3, "unknown dtype `float8`");
-    assert_at(&GOOD.replace("name = \"t\"", "name = \"t\"\nbackends = [\"sparse\"]"), 3, "unknown backend `sparse`");
+    assert_at(
+        &GOOD.replace("name = \"t\"", "name = \"t\"\nbackends = [\"sparse\"]"),
+        3,
+        "unknown path `sparse`; this engine has dense, paged",
+    );
+}
+
+/// An engine table: each mistake names its line, before anything is started.
+#[test]
+fn engine_tables_are_checked_before_anything_starts() {
+    // Lines: 2 name, 3 [engine], 4 kind, 5 command, 6 `extra`, then [engine.paths].
+    let with = |engine: &str| GOOD.replace("name = \"t\"", &format!("name = \"t\"\n{engine}"));
+    let process = |extra: &str, paths: &str| {
+        with(&format!("[engine]\nkind = \"process\"\ncommand = [\"adapter\"]\n{extra}\n[engine.paths]\n{paths}\n"))
+    };
+    let good = process("", "a = []\nb = [\"--b\"]");
+    let s = suite::parse(Path::new("suites/x.toml"), &good).unwrap();
+    assert_eq!(s.checkpoints[0].paths, ["a", "b"], "paths run in the order written");
+    assert!(!s.checkpoints[0].engine.needs_builtin());
+    assert_at(&with("[engine]\nkind = \"grpc\"\n"), 4, "unknown kind `grpc`");
+    assert_at(&with("[engine]\nkind = \"process\"\n[engine.paths]\na = []\n"), 3, "needs `command`");
+    assert_at(&process("", "a = []").replace("[\"adapter\"]", "[]"), 5, "give the program");
+    assert_at(&with("[engine]\nkind = \"builtin\"\ncommand = [\"x\"]\n"), 5, "only for kind = \"process\"");
+    assert_at(&process("reference = \"c\"", "a = []"), 6, "`c` is not a path of this engine");
+    assert_at(&process("", "\"../up\" = []"), 7, "`../up`");
+    assert_at(&process("timeout = 0", "a = []"), 6, "engine.timeout: 0");
+    assert_at(
+        &process("", "a = []").replace("name = \"t\"", "name = \"t\"\nbackends = [\"dense\"]"),
+        3,
+        "unknown path `dense`; this engine has a",
+    );
+    let s = suite::parse(Path::new("suites/x.toml"), &process("reference = \"builtin:dense\"", "a = []")).unwrap();
+    assert!(s.checkpoints[0].engine.needs_builtin());
 }
 
 #[test]

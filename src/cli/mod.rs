@@ -1,6 +1,7 @@
 //! The command line. Library errors become `anyhow` errors with context here; exit codes are
 //! decided here and only here.
 
+mod adapter;
 mod bench;
 mod generate;
 mod inspect;
@@ -38,7 +39,7 @@ enum Command {
     Generate(generate::Args),
     /// Describe a checkpoint: architecture, sizes, dtype, quantization, tokenizer.
     Inspect(inspect::Args),
-    /// Run a suite: every scenario on both backends against the dense reference.
+    /// Run a suite: every scenario on every path against the reference path.
     Run(run::Args),
     /// Show pending snapshot changes as diffs.
     Review(review::Args),
@@ -50,6 +51,8 @@ enum Command {
     Bench(bench::Args),
     /// Merge the JSON reports of a sharded run into one report.
     Merge(merge::Args),
+    /// Serve parity's runtime over the step protocol (an engine adapter; docs/step-protocol.md).
+    Adapter(adapter::Args),
 }
 
 pub fn main() -> ExitCode {
@@ -62,12 +65,16 @@ pub fn main() -> ExitCode {
     };
     // Only the commands that compute touch the device: merging or reviewing reports on a
     // Linux box must not fail because the environment asks for the GPU.
-    let computes =
-        matches!(cli.command, Command::Generate(_) | Command::Run(_) | Command::Selftest(_) | Command::Bench(_));
+    let computes = matches!(
+        cli.command,
+        Command::Generate(_) | Command::Run(_) | Command::Selftest(_) | Command::Bench(_) | Command::Adapter(_)
+    );
     if computes && let Err(e) = runtime::use_device(cli.device) {
         eprintln!("error: {e}");
         return ExitCode::from(EXIT_USAGE);
     }
+    // Engine adapters and servers parity starts must not outlive an interrupted run.
+    crate::proc::install_interrupt_handler();
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Inspect(a) => inspect::run(a),
@@ -77,6 +84,7 @@ pub fn main() -> ExitCode {
         Command::Selftest(a) => selftest::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Merge(a) => merge::run(a),
+        Command::Adapter(a) => adapter::run(a),
     };
     match result {
         Ok(code) => code,

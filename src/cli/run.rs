@@ -10,7 +10,6 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::{EXIT_FAIL, EXIT_SKIP, EXIT_USAGE};
 use crate::faults::{Fault, Faults};
-use crate::kv::Backend;
 use crate::report::snapshot::{self, UpdateMode};
 use crate::report::{Report, Shard};
 use crate::run::{Progress, RunOptions, run_suite};
@@ -60,9 +59,9 @@ pub struct CommonArgs {
     /// Only these scenarios (repeatable).
     #[arg(long = "scenario", value_parser = parse_scenario)]
     pub scenarios: Vec<Scenario>,
-    /// Only these backends (repeatable).
-    #[arg(long = "backend")]
-    pub backends: Vec<Backend>,
+    /// Only these paths (repeatable): `dense`, `paged`, or an engine's path names.
+    #[arg(long = "backend", value_name = "PATH")]
+    pub backends: Vec<String>,
     /// Run shard I of N (1-based): split a suite across CI runners; merge with `parity merge`.
     #[arg(long, value_parser = parse_shard)]
     pub shard: Option<Shard>,

@@ -49,8 +49,10 @@ impl std::str::FromStr for Backend {
     }
 }
 
-/// Memory held by a backend, in bytes of K and V over all layers.
+/// Memory held by a backend, in bytes of K and V over all layers. Absent fields read as zero
+/// (an adapter reports what it knows).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct KvStats {
     /// Rows that sequences can see.
     pub bytes_live: u64,

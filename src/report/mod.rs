@@ -80,6 +80,14 @@ pub struct CheckpointReport {
     pub phases: Vec<Phase>,
     /// Noise floor per prompt: the reference re-run in a different batch composition.
     pub noise_floor: BTreeMap<String, Option<f32>>,
+    /// The engine that served the paths (absent when none started).
+    #[serde(default)]
+    pub engine: Option<crate::engine::EngineId>,
+    /// Where the references came from: engine and path.
+    #[serde(default)]
+    pub reference_engine: Option<crate::engine::EngineId>,
+    #[serde(default)]
+    pub reference_path: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -82,6 +82,15 @@ pub fn render(report: &Report) -> BTreeMap<String, String> {
         if c.dequantized {
             let _ = writeln!(s, "dequantized: true");
         }
+        // Builtin runs keep the header they always had; other engines say who served the
+        // paths and where the reference came from (names only: a version bump is not a change
+        // of behaviour to review).
+        if let Some(e) = c.engine.as_ref().filter(|e| e.kind != "builtin") {
+            let _ = writeln!(s, "engine: {} ({})", yaml_str(&e.name), e.kind);
+            if let (Some(re), Some(rp)) = (&c.reference_engine, &c.reference_path) {
+                let _ = writeln!(s, "reference: {}", yaml_str(&format!("{} {} ({})", re.name, rp, re.kind)));
+            }
+        }
         let st = &c.settings;
         let _ = writeln!(
             s,

@@ -1,0 +1,125 @@
+//! The builtin engine: parity's own MLX runtime ([`Model`]) over its two KV backends, in
+//! process. Paths `dense` and `paged`; the dense path is the default reference.
+
+use mlx_rs::Array;
+
+use super::{Capabilities, EngineId, EnginePath, PathInfo, Session, ShareMode, Trace};
+use crate::error::Result;
+use crate::faults::{self, Faults};
+use crate::kv::{Backend, DenseCache, KvCache, KvStats, PagedBlockPool, PoolOptions, SeqId};
+use crate::model::{Model, RowStep};
+use crate::scenario::Settings;
+
+/// One builtin path: a backend and the settings its pools are built with.
+pub struct Builtin<'m> {
+    model: &'m Model,
+    backend: Backend,
+    settings: Settings,
+    info: PathInfo,
+    /// The KV store of the current session (a session borrows it).
+    kv: Option<Box<dyn KvCache>>,
+}
+
+impl<'m> Builtin<'m> {
+    pub fn new(model: &'m Model, backend: Backend, settings: &Settings) -> Self {
+        let info = PathInfo {
+            name: backend.name().to_string(),
+            engine: EngineId::builtin(),
+            vocab_size: model.config.vocab_size,
+            dtype: model.dtype,
+            capabilities: Capabilities {
+                masked_prefix: true,
+                share_prefix: true,
+                max_batch: None,
+                stats: true,
+                block_size: (backend == Backend::Paged).then_some(settings.block_size),
+                faults: faults::ALL.to_vec(),
+            },
+        };
+        Builtin { model, backend, settings: settings.clone(), info, kv: None }
+    }
+
+    /// A fresh KV store of this path's backend with `faults` planted in it.
+    pub fn kv(&self, faults: Faults) -> Result<Box<dyn KvCache>> {
+        Ok(match self.backend {
+            Backend::Dense => Box::new(DenseCache::new(self.model.kv_shape())),
+            Backend::Paged => Box::new(PagedBlockPool::new(
+                self.model.kv_shape(),
+                PoolOptions {
+                    block_size: self.settings.block_size,
+                    max_blocks: self.settings.pool_blocks,
+                    poison: self.settings.poison,
+                    ..PoolOptions::default()
+                },
+                faults,
+            )?),
+        })
+    }
+}
+
+impl EnginePath for Builtin<'_> {
+    fn info(&self) -> &PathInfo {
+        &self.info
+    }
+
+    fn session(&mut self, faults: Faults) -> Result<Box<dyn Session + '_>> {
+        let kv = self.kv(faults)?;
+        let kv = self.kv.insert(kv);
+        Ok(Box::new(BuiltinSession::new(self.model, kv.as_mut(), faults)))
+    }
+}
+
+/// The model stepping over one KV store with a set of planted faults.
+pub struct BuiltinSession<'a> {
+    model: &'a Model,
+    kv: &'a mut dyn KvCache,
+    faults: Faults,
+}
+
+impl<'a> BuiltinSession<'a> {
+    pub fn new(model: &'a Model, kv: &'a mut dyn KvCache, faults: Faults) -> Self {
+        BuiltinSession { model, kv, faults }
+    }
+}
+
+impl Session for BuiltinSession<'_> {
+    fn create(&mut self, masked_prefix: usize) -> Result<SeqId> {
+        self.kv.create(masked_prefix)
+    }
+
+    fn len(&self, seq: SeqId) -> Result<usize> {
+        self.kv.len(seq)
+    }
+
+    fn masked_prefix(&self, seq: SeqId) -> Result<usize> {
+        self.kv.masked_prefix(seq)
+    }
+
+    fn forward(&mut self, rows: &[RowStep]) -> Result<Array> {
+        // Sessions of one model interleave (a reference is computed in the middle of a
+        // faulty path's case): the faults are this session's, set for each of its steps.
+        self.model.set_faults(self.faults);
+        self.model.forward(self.kv, rows)
+    }
+
+    fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize> {
+        self.kv.trim(seq, n)
+    }
+
+    fn release(&mut self, seq: SeqId) -> Result<()> {
+        self.kv.release(seq)
+    }
+
+    fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<(SeqId, ShareMode)>> {
+        Ok(self.kv.share_prefix(donor, rows)?.map(|seq| (seq, ShareMode::Storage)))
+    }
+
+    fn stats(&mut self) -> Result<Option<KvStats>> {
+        Ok(Some(self.kv.stats()))
+    }
+}
+
+/// Greedy generation on the builtin runtime over `kv`, no faults (`parity generate`, tests).
+pub fn generate(model: &Model, kv: &mut dyn KvCache, prompt: &[u32], max_tokens: usize) -> Result<(SeqId, Trace)> {
+    super::generate(&mut BuiltinSession::new(model, kv, Faults::NONE), prompt, max_tokens)
+}
