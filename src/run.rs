@@ -171,10 +171,10 @@ fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> Checkpo
 }
 
 /// Rows for units that could not run at all (checkpoint absent or broken).
-fn blanket_rows(
+fn blanket_rows<'u>(
     suite: &Suite,
     spec: &CheckpointSpec,
-    units: &[Unit],
+    units: impl IntoIterator<Item = &'u Unit>,
     opts: &RunOptions,
     verdict: Verdict,
     why: &str,
@@ -245,9 +245,8 @@ fn run_checkpoint(
     report.resolved = Some(dir.display().to_string());
 
     let t = Instant::now();
-    let loaded = load(&dir, spec);
-    report.phases.push(Phase { name: "load".into(), seconds: t.elapsed().as_secs_f64() });
-    let (config, tokenizer, model) = match loaded {
+    let meta = ModelConfig::load(&dir).and_then(|c| Ok((c, Tokenizer::load(&dir)?)));
+    let (config, tokenizer) = match meta {
         Ok(x) => x,
         Err(e) => {
             let why = e.to_string();
@@ -256,6 +255,45 @@ fn run_checkpoint(
             return (report, blanket_rows(suite, spec, units, opts, Verdict::Error, &why));
         }
     };
+
+    // Prompts, encoded once. A prompt that cannot be encoded fails its own rows only.
+    let mut prompts: BTreeMap<usize, std::result::Result<Prompt, String>> = BTreeMap::new();
+    for u in units {
+        for &p in &u.prompts {
+            prompts.entry(p).or_insert_with(|| {
+                encode(&suite.prompts[p], &tokenizer, &config, config.vocab_size, spec.settings.max_tokens)
+                    .map_err(|e| e.to_string())
+            });
+        }
+    }
+    let pad = config.pad_token_id.or_else(|| config.eos_token_ids.first().copied()).unwrap_or(0);
+    let filter = Filter(opts.filter.as_deref());
+    let all: Vec<Prompt> = prompts.values().filter_map(|p| p.as_ref().ok().cloned()).collect();
+    // Under a filter, only the units with a selected row load or start anything.
+    let units: Vec<&Unit> = match opts.filter {
+        None => units.iter().collect(),
+        Some(_) => {
+            units.iter().filter(|u| unit_selected(spec, u, suite, &prompts, &all, filter, pad, &config)).collect()
+        }
+    };
+    if units.is_empty() {
+        return (report, Vec::new());
+    }
+
+    let model = if spec.engine.needs_builtin() {
+        match Model::load(&dir, config.clone(), spec.dtype.resolve(), spec.dequantize) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                let why = e.to_string();
+                report.status = CheckpointStatus::Error;
+                report.reason = Some(why.clone());
+                return (report, blanket_rows(suite, spec, units.iter().copied(), opts, Verdict::Error, &why));
+            }
+        }
+    } else {
+        None
+    };
+    report.phases.push(Phase { name: "load".into(), seconds: t.elapsed().as_secs_f64() });
 
     // The engine: the reference path first (nothing can be judged without it), then every
     // path a unit needs. A path that cannot start fails its own rows only.
@@ -268,11 +306,11 @@ fn run_checkpoint(
             let why = format!("reference path {}: {e}", spec.engine.reference().describe());
             report.status = CheckpointStatus::Error;
             report.reason = Some(why.clone());
-            return (report, blanket_rows(suite, spec, units, opts, Verdict::Error, &why));
+            return (report, blanket_rows(suite, spec, units.iter().copied(), opts, Verdict::Error, &why));
         }
     };
     let mut paths: BTreeMap<String, std::result::Result<Box<dyn EnginePath + '_>, String>> = BTreeMap::new();
-    for u in units {
+    for u in &units {
         if !paths.contains_key(&u.path) {
             paths.insert(u.path.clone(), open(Some(&u.path)).map_err(|e| e.to_string()));
         }
@@ -286,21 +324,18 @@ fn run_checkpoint(
     report.reference_path = Some(reference_info.name.clone());
     report.engine = paths.values().find_map(|p| p.as_ref().ok()).map(|p| p.info().engine.clone());
 
-    // Prompts, encoded once. A prompt that cannot be encoded fails its own rows only.
-    let mut prompts: BTreeMap<usize, std::result::Result<Prompt, String>> = BTreeMap::new();
-    for u in units {
-        for &p in &u.prompts {
-            prompts.entry(p).or_insert_with(|| {
-                encode(&suite.prompts[p], &tokenizer, &config, reference_info.vocab_size, spec.settings.max_tokens)
-                    .map_err(|e| e.to_string())
-            });
+    // The engine's vocabulary is what counts (an adapter may pad it differently from config.json).
+    for p in prompts.values_mut() {
+        if let Ok(prompt) = p
+            && let Some(bad) = prompt.ids.iter().find(|&&i| i as usize >= reference_info.vocab_size)
+        {
+            *p = Err(format!(
+                "prompt `{}`: token id {bad} is outside the engine's vocabulary of {}",
+                prompt.name, reference_info.vocab_size
+            ));
         }
     }
-
-    let pad = config.pad_token_id.or_else(|| config.eos_token_ids.first().copied()).unwrap_or(0);
     let mut harness = Harness::new(reference.as_mut(), spec.settings.clone(), opts.faults, pad);
-    let filter = Filter(opts.filter.as_deref());
-    let all: Vec<Prompt> = prompts.values().filter_map(|p| p.as_ref().ok().cloned()).collect();
     // References and noise floors are computed when a selected row first needs them, so a
     // narrow `--filter` (bisect) pays for its own rows only.
     let mut floors: BTreeMap<String, Option<f32>> = BTreeMap::new();
@@ -358,6 +393,46 @@ fn run_checkpoint(
     (report, rows)
 }
 
+/// Whether unit `u` yields a row `filter` selects. Scenarios name each row (prompt, case)
+/// before they touch an engine, so running them against a stand-in that records what is
+/// wanted and lets nothing run names exactly the rows a real run would make: the plan and the
+/// run cannot disagree.
+#[allow(clippy::too_many_arguments)]
+fn unit_selected(
+    spec: &CheckpointSpec,
+    u: &Unit,
+    suite: &Suite,
+    prompts: &BTreeMap<usize, std::result::Result<Prompt, String>>,
+    all: &[Prompt],
+    filter: Filter,
+    pad: u32,
+    config: &ModelConfig,
+) -> bool {
+    let (ck, sc, path) = (spec.name.as_str(), u.scenario.name(), u.path.as_str());
+    let failed_prompt = u.prompts.iter().any(|p| {
+        prompts[p].is_err()
+            && filter.selects_row(&empty_row(spec, &suite.prompts[*p].name, u.scenario, "*", path, Verdict::Error))
+    });
+    if failed_prompt {
+        return true;
+    }
+    let mut stand_in = engine::Planning::new(config.vocab_size);
+    let mut reference = engine::Planning::new(config.vocab_size);
+    let found = std::cell::Cell::new(false);
+    let mut h = Harness::new(&mut reference, spec.settings.clone(), Faults::NONE, pad);
+    h.select(Some(Box::new(|prompt: &str, case: &str| {
+        if filter.selects(&row_id(ck, prompt, sc, case, path)) {
+            found.set(true);
+        }
+        false
+    })));
+    let mine: Vec<Prompt> =
+        all.iter().filter(|p| u.prompts.iter().any(|&i| suite.prompts[i].name == p.name)).cloned().collect();
+    let _ = u.scenario.run(&mut h, &mut stand_in, &mine);
+    drop(h);
+    found.get()
+}
+
 /// The noise floor of a row's base prompt (`p` of `p/shared7`), measured once per prompt.
 fn floor_for(h: &mut Harness, floors: &mut BTreeMap<String, Option<f32>>, prompt: &str, all: &[Prompt]) -> Option<f32> {
     let base = prompt.split('/').next().unwrap_or(prompt);
@@ -369,19 +444,6 @@ fn floor_for(h: &mut Harness, floors: &mut BTreeMap<String, Option<f32>>, prompt
     let floor = noise_floor(h, p, all).ok().flatten();
     floors.insert(base.to_string(), floor);
     floor
-}
-
-/// Config, tokenizer and, when a builtin path or reference needs them, the weights; every
-/// error names its file. An adapter loads the weights itself.
-fn load(dir: &std::path::Path, spec: &CheckpointSpec) -> Result<(ModelConfig, Tokenizer, Option<Model>)> {
-    let config = ModelConfig::load(dir)?;
-    let tokenizer = Tokenizer::load(dir)?;
-    let model = if spec.engine.needs_builtin() {
-        Some(Model::load(dir, config.clone(), spec.dtype.resolve(), spec.dequantize)?)
-    } else {
-        None
-    };
-    Ok((config, tokenizer, model))
 }
 
 /// Encode a suite prompt for this checkpoint, apply `length`, and check it fits the context
