@@ -105,6 +105,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> R
         suite: suite.name.clone(),
         suite_file: suite.file.display().to_string(),
         parity_version: env!("CARGO_PKG_VERSION").to_string(),
+        parity_commit: env!("PARITY_GIT_COMMIT").to_string(),
         environment: crate::runtime::environment(),
         shard: opts.shard,
         faults: opts.faults.list().iter().map(|f| f.name().to_string()).collect(),

@@ -43,7 +43,7 @@ pub(crate) fn color(is_terminal: bool) -> bool {
 }
 
 #[derive(Parser)]
-#[command(name = "parity", version, about = "Prove an MLX engine's paged KV-cache decode path matches its dense path")]
+#[command(name = "parity", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("PARITY_GIT_COMMIT"), ")"), about = "Prove an MLX engine's paged KV-cache decode path matches its dense path")]
 struct Cli {
     /// MLX device: auto (the GPU on Apple Silicon, else the CPU), cpu or gpu. Reports record it,
     /// and GPU snapshots live apart from CPU ones (reports/<suite>/gpu/).

@@ -20,7 +20,11 @@ pub fn render(report: &Report) -> String {
     let mut meta = format!(
         "Suite {}, parity {}, MLX {} on {} ({}/{})",
         code(&report.suite_file),
-        code(&report.parity_version),
+        code(&if report.parity_commit.is_empty() {
+            report.parity_version.clone()
+        } else {
+            format!("{} ({})", report.parity_version, report.parity_commit)
+        }),
         code(&env.mlx_version),
         env.device,
         env.os,

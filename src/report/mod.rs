@@ -23,6 +23,9 @@ pub struct Report {
     pub suite: String,
     pub suite_file: String,
     pub parity_version: String,
+    /// The git commit parity was built from (`-dirty`: with uncommitted changes).
+    #[serde(default)]
+    pub parity_commit: String,
     pub environment: Environment,
     /// Set when this report covers one shard of the suite (`--shard I/N`).
     pub shard: Option<Shard>,
