@@ -114,7 +114,11 @@ impl<'a> Fields<'a> {
         match self.get(field) {
             None => Ok(None),
             Some(v) => match v.as_u64() {
-                Some(n) if n > 0 => Ok(Some(n as usize)),
+                // MLX shapes are int32: a larger size cannot be a tensor dimension.
+                Some(n) if n > 0 && n <= i32::MAX as u64 => Ok(Some(n as usize)),
+                Some(n) if n > 0 => {
+                    Err(self.err(field, format!("{n} is larger than any tensor dimension MLX can hold ({})", i32::MAX)))
+                }
                 _ => Err(self.err(field, format!("expected a positive integer, found {v}"))),
             },
         }

@@ -174,6 +174,9 @@ pub struct CaseOutput {
     pub notes: Vec<String>,
     /// The KV store's memory when the case ended: what dense and paged held for the same work.
     pub kv: KvStats,
+    /// The KV store's books when the case ended ([`KvCache::audit`]): a leak or refcount
+    /// mismatch, naming the blocks, fails the row even when every token matches.
+    pub audit: Option<String>,
 }
 
 /// What scenarios share for one checkpoint: the model, the settings, the planted faults, and
@@ -213,6 +216,8 @@ impl<'m> Harness<'m> {
         let mut kv = DenseCache::new(self.model.kv_shape());
         let steps = self.settings.max_tokens;
         let (_, trace) = self.fault_free(|h| engine::generate(h.model, &mut kv, prompt, steps))?;
+        // Guard (issue #14): NaN in the reference is the checkpoint's, not the pool's.
+        crate::compare::require_finite("reference logits", &trace.logits)?;
         self.references.insert(prompt.to_vec(), trace.clone());
         Ok(trace)
     }
@@ -353,5 +358,6 @@ pub fn ragged_partner(prompts: &[Prompt], i: usize) -> Option<usize> {
 
 /// A case's output, with the memory its KV store held at the end (peak included).
 pub fn case(kv: &dyn KvCache, case: impl Into<String>, prompt: &Prompt, paths: Vec<PathTrace>) -> CaseOutput {
-    CaseOutput { case: case.into(), prompt: prompt.clone(), paths, notes: Vec::new(), kv: kv.stats() }
+    let audit = kv.audit().err().map(|e| e.to_string());
+    CaseOutput { case: case.into(), prompt: prompt.clone(), paths, notes: Vec::new(), kv: kv.stats(), audit }
 }
