@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use crate::checkpoint::weights::parse_header;
-use crate::checkpoint::{ModelConfig, QuantSpec};
+use crate::checkpoint::{ModelConfig, QuantSpec, RopeScaling};
 use crate::suite;
 
 /// Suite parser: errors carry a position inside the text; accepted suites hold only safe
@@ -63,7 +63,19 @@ pub fn config(data: &[u8]) {
             }
             assert!(c.vocab_size > 0 && c.vocab_size <= i32::MAX as usize);
             assert!(c.num_heads.is_multiple_of(c.num_kv_heads) && c.head_dim.is_multiple_of(2));
-            assert!(c.rms_norm_eps.is_finite() && c.rope_theta.is_finite());
+            // Finite and positive: an f64 that overflows f32 or a negative epsilon would turn
+            // every logit into NaN/inf at run time, long after the config was accepted.
+            assert!(c.rms_norm_eps.is_finite() && c.rms_norm_eps > 0.0, "rms_norm_eps {}", c.rms_norm_eps);
+            assert!(c.rope_theta.is_finite() && c.rope_theta > 0.0, "rope_theta {}", c.rope_theta);
+            match c.rope_scaling {
+                RopeScaling::None => {}
+                RopeScaling::Linear { factor } => assert!(factor.is_finite() && factor > 0.0, "factor {factor}"),
+                RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                    for x in [factor, low_freq_factor, high_freq_factor, original_max_position_embeddings] {
+                        assert!(x.is_finite() && x > 0.0, "llama3 rope scaling {x}");
+                    }
+                }
+            }
             if let Some(q) = &c.quantization {
                 let ok = |s: &QuantSpec| [2, 3, 4, 5, 6, 8].contains(&s.bits) && [32, 64, 128].contains(&s.group_size);
                 assert!(ok(&q.default) && q.overrides.values().flatten().all(ok), "{q:?}");
