@@ -5,7 +5,7 @@
 //! workers). The group is killed when its [`Child`] is dropped (every return and `?` path),
 //! when parity receives SIGINT/SIGTERM/SIGHUP ([`install_interrupt_handler`] kills every live
 //! group, then exits 130), and on Linux when parity itself dies without unwinding (the child
-//! gets SIGKILL through `PR_SET_PDEATHSIG`).
+//! gets SIGKILL through `PR_SET_PDEATHSIG`, set by `setpriv`: see [`launcher`]).
 //!
 //! A child's stderr (and its stdout, when that is a log rather than a protocol channel) is
 //! drained by a thread into a bounded tail kept for error messages, and optionally into a log
@@ -126,23 +126,19 @@ pub struct Child {
 impl Child {
     pub fn spawn(spec: &Spawn) -> Result<Child, ProcError> {
         let program = spec.argv.first().ok_or(ProcError::EmptyCommand)?.clone();
-        let mut cmd = Command::new(&program);
-        cmd.args(&spec.argv[1..])
+        let (launch, prefix) = launcher(&program, spec)?;
+        let mut cmd = Command::new(&launch);
+        cmd.args(&prefix)
+            .args(&spec.argv[1..])
             .current_dir(&spec.cwd)
             .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(if spec.stdin { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         use std::os::unix::process::CommandExt;
+        // No `pre_exec` hook, ever: it makes std `fork` instead of `posix_spawn` (see
+        // `launcher`). A process group is something posix_spawn can set.
         cmd.process_group(0);
-        #[cfg(target_os = "linux")]
-        // SAFETY: prctl is async-signal-safe; it only sets this child's death signal.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
         let log = match &spec.log_file {
             Some(path) => Some(Arc::new(Mutex::new(
                 std::fs::OpenOptions::new()
@@ -296,6 +292,51 @@ fn drain(from: impl Read + Send + 'static, tail: Arc<Mutex<Tail>>, log: Option<A
             }
         }
     });
+}
+
+/// What to execute for `program`: the program itself, or on Linux util-linux's `setpriv` with
+/// the arguments that make it set the parent-death signal and exec the program.
+///
+/// Why not `prctl(PR_SET_PDEATHSIG)` in a `pre_exec` hook: any hook makes std start the child
+/// with `fork`, `fork` runs every `pthread_atfork` handler, and OpenBLAS's handler
+/// (`blas_thread_shutdown_`) deadlocks when another thread of the process is inside a BLAS
+/// call (OpenMathLib/OpenBLAS#2270). parity computes with MLX (OpenBLAS on Linux) in one thread
+/// while starting adapters in another; that hung CI for 90 minutes
+/// (`tests/spawn_while_computing.rs`). Without hooks std uses `posix_spawn`, which runs no
+/// fork handlers. The program is resolved here so a missing one is still a spawn error naming
+/// it, not a message from setpriv. Where `setpriv` is not installed, children still die with
+/// their group on every unwinding exit and on SIGINT/SIGTERM/SIGHUP, only not on SIGKILL.
+fn launcher(program: &str, spec: &Spawn) -> Result<(PathBuf, Vec<String>), ProcError> {
+    #[cfg(target_os = "linux")]
+    {
+        static SETPRIV: OnceLock<Option<PathBuf>> = OnceLock::new();
+        let setpriv = SETPRIV.get_or_init(|| find_program("setpriv", None, Path::new("/")));
+        if let Some(setpriv) = setpriv {
+            let path = spec.env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.as_str());
+            let resolved = find_program(program, path, &spec.cwd).ok_or_else(|| ProcError::Spawn {
+                program: program.to_string(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such executable file"),
+            })?;
+            let prefix = vec!["--pdeathsig".to_string(), "KILL".into(), "--".into(), resolved.display().to_string()];
+            return Ok((setpriv.clone(), prefix));
+        }
+    }
+    let _ = spec;
+    Ok((PathBuf::from(program), Vec::new()))
+}
+
+/// `program` as the kernel would run it: a path (relative to `cwd`) if it has a `/`, else the
+/// first executable file of that name on `path` (default: parity's own `PATH`).
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+fn find_program(program: &str, path: Option<&str>, cwd: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+    if program.contains('/') {
+        let p = cwd.join(program);
+        return executable(&p).then_some(p);
+    }
+    let path = path.map(std::ffi::OsString::from).or_else(|| std::env::var_os("PATH"))?;
+    std::env::split_paths(&path).map(|dir| cwd.join(dir).join(program)).find(|p| executable(p))
 }
 
 /// Describe how a child ended, for error messages: `exited with status 3`, `killed by signal 9`.

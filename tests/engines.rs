@@ -198,3 +198,30 @@ fn an_adapter_that_claims_a_trim_it_did_not_do_diverges_where_trims_happen() {
     }
     assert_no_leftovers(&tag);
 }
+
+/// Guards "children outlive a parity killed without unwinding": SIGKILL runs no destructor
+/// and no signal handler, so only the parent-death signal the child was started with
+/// (`proc::launcher`) can take the adapter down with it.
+#[test]
+fn adapters_die_with_a_parity_killed_by_sigkill() {
+    let tag = format!("parity-test-sigkill-{}", std::process::id());
+    let file = fixture_suite(&tag, &adapter_engine(&["pass", "1", &tag], &["deaf", "1", &tag], 600.0));
+    let mut run = common::command()
+        .args(["run", file.to_str().expect("utf-8 path"), "--no-snapshots", "--filter", "llama-tiny/"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start parity run");
+    let deaf = || processes_tagged(&tag).iter().any(|c| c.contains("misbehave.py deaf"));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !deaf() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The deaf adapter reads nothing, so a closed pipe cannot end it: only its death signal.
+    std::thread::sleep(Duration::from_millis(500));
+    let started = deaf();
+    run.kill().expect("SIGKILL parity");
+    let _ = run.wait();
+    assert!(started, "the deaf adapter never started");
+    assert_no_leftovers(&tag);
+}

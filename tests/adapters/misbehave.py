@@ -12,6 +12,8 @@ MODE (N counts `forward` requests, 1-based; default 3):
   garbage         answer the Nth forward with a line that is not JSON
   hang            never answer the Nth forward (parity's timeout must fire)
   wrong-logits    answer the Nth forward with logits of the wrong shape
+  deaf            close stdin and sleep without ever answering: nothing but a signal ends it
+                  (the test that parity's children die with a parity killed by SIGKILL)
   fake-trim       claim every trim succeeded without passing it on; lengths in later
                   replies are rewritten to match the claim, so only the logits can tell
 """
@@ -29,6 +31,11 @@ def main():
     sep = argv.index("--")
     mode, rest, inner = argv[0], argv[1:sep], argv[sep + 1:]
     n = int(rest[0]) if rest else 3
+    if mode == "deaf":
+        sys.stdin.close()
+        os.close(0)
+        while True:
+            time.sleep(60)
     if mode == "exit-at-start":
         print("misbehave: refusing to start (exit-at-start)", file=sys.stderr, flush=True)
         sys.exit(3)
