@@ -28,6 +28,8 @@ pub struct RunOptions {
     /// An absent checkpoint is an error row instead of a skipped one.
     pub require_models: bool,
     pub faults: Faults,
+    /// Where servers under test (kind = "openai") write their logs; none: not kept.
+    pub server_logs: Option<std::path::PathBuf>,
 }
 
 /// Progress callbacks; the CLI draws bars, tests pass [`NoProgress`].
@@ -42,10 +44,10 @@ pub struct NoProgress;
 impl Progress for NoProgress {}
 
 /// A (scenario, path) pair of one checkpoint: the unit of work (shards split by scenario).
-struct Unit {
-    scenario: Scenario,
-    path: String,
-    prompts: Vec<usize>,
+pub(crate) struct Unit {
+    pub scenario: Scenario,
+    pub path: String,
+    pub prompts: Vec<usize>,
 }
 
 pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> Report {
@@ -128,6 +130,8 @@ fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> Checkpo
         dequantized: spec.dequantize,
         settings: spec.settings.clone(),
         max_rel_rms_tolerance: spec.tolerance.max_rel_rms,
+        max_logprob_delta_tolerance: None,
+        bitwise: false,
         allowed_verdicts: spec.tolerance.allow.clone(),
         phases: Vec::new(),
         noise_floor: BTreeMap::new(),
@@ -138,7 +142,7 @@ fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> Checkpo
 }
 
 /// Rows for units that could not run at all (checkpoint absent or broken).
-fn blanket_rows(suite: &Suite, spec: &CheckpointSpec, units: &[Unit], verdict: Verdict, why: &str) -> Vec<Row> {
+pub(crate) fn blanket_rows(suite: &Suite, spec: &CheckpointSpec, units: &[Unit], verdict: Verdict, why: &str) -> Vec<Row> {
     let mut rows = Vec::new();
     for u in units {
         for &p in &u.prompts {
@@ -152,7 +156,7 @@ fn blanket_rows(suite: &Suite, spec: &CheckpointSpec, units: &[Unit], verdict: V
     rows
 }
 
-fn empty_row(spec: &CheckpointSpec, prompt: &str, scenario: Scenario, case: &str, path: &str, verdict: Verdict) -> Row {
+pub(crate) fn empty_row(spec: &CheckpointSpec, prompt: &str, scenario: Scenario, case: &str, path: &str, verdict: Verdict) -> Row {
     Row {
         checkpoint: spec.name.clone(),
         prompt: prompt.to_string(),
@@ -175,6 +179,7 @@ fn empty_row(spec: &CheckpointSpec, prompt: &str, scenario: Scenario, case: &str
         paths: 0,
         notes: Vec::new(),
         kv: None,
+        api: None,
     }
 }
 
@@ -215,6 +220,12 @@ fn run_checkpoint(
             return (report, blanket_rows(suite, spec, units, Verdict::Error, &why));
         }
     };
+    // A server cannot be stepped: it runs the request-level scenarios on its own.
+    if let crate::suite::EngineSpec::Openai(o) = &spec.engine {
+        let ctx = engine::openai::Checkpoint { suite, spec, openai: o, dir: &dir, tokenizer: &tokenizer, config: &config };
+        let rows = engine::openai::run_checkpoint(&ctx, units, opts, progress, &mut report);
+        return (report, rows);
+    }
 
     // The engine: the reference path first (nothing can be judged without it), then every
     // path a unit needs. A path that cannot start fails its own rows only.
@@ -331,7 +342,7 @@ fn load(dir: &std::path::Path, spec: &CheckpointSpec) -> Result<(ModelConfig, To
 
 /// Encode a suite prompt for this checkpoint, apply `length`, and check it fits the context
 /// with the tokens to generate.
-fn encode(p: &PromptSpec, tok: &Tokenizer, config: &ModelConfig, vocab: usize, max_tokens: usize) -> Result<Prompt> {
+pub(crate) fn encode(p: &PromptSpec, tok: &Tokenizer, config: &ModelConfig, vocab: usize, max_tokens: usize) -> Result<Prompt> {
     let mut ids = match &p.source {
         PromptSource::Text(t) => tok.encode_raw(t)?,
         PromptSource::Chat(t) => tok.encode_chat(t)?,

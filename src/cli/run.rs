@@ -215,6 +215,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
     };
     let mut opts = a.common.options();
     opts.require_models = a.require_models;
+    // Servers under test log beside the suite's snapshots (kind = "openai").
+    opts.server_logs = Some(reports_dir(&a.suite, &a.reports).join(&suite.name).join("logs"));
     let mut report = run_suite(&suite, &opts, &Bars::new());
 
     let rendering = std::time::Instant::now();
