@@ -354,7 +354,10 @@ mod tests {
     use super::*;
 
     fn trace(steps: &[&[(u32, f64)]]) -> LogprobTrace {
-        LogprobTrace { tokens: steps.iter().map(|s| s[0].0).collect(), steps: steps.iter().map(|s| s.to_vec()).collect() }
+        LogprobTrace {
+            tokens: steps.iter().map(|s| s[0].0).collect(),
+            steps: steps.iter().map(|s| s.to_vec()).collect(),
+        }
     }
 
     #[test]

@@ -142,7 +142,13 @@ fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> Checkpo
 }
 
 /// Rows for units that could not run at all (checkpoint absent or broken).
-pub(crate) fn blanket_rows(suite: &Suite, spec: &CheckpointSpec, units: &[Unit], verdict: Verdict, why: &str) -> Vec<Row> {
+pub(crate) fn blanket_rows(
+    suite: &Suite,
+    spec: &CheckpointSpec,
+    units: &[Unit],
+    verdict: Verdict,
+    why: &str,
+) -> Vec<Row> {
     let mut rows = Vec::new();
     for u in units {
         for &p in &u.prompts {
@@ -156,7 +162,14 @@ pub(crate) fn blanket_rows(suite: &Suite, spec: &CheckpointSpec, units: &[Unit],
     rows
 }
 
-pub(crate) fn empty_row(spec: &CheckpointSpec, prompt: &str, scenario: Scenario, case: &str, path: &str, verdict: Verdict) -> Row {
+pub(crate) fn empty_row(
+    spec: &CheckpointSpec,
+    prompt: &str,
+    scenario: Scenario,
+    case: &str,
+    path: &str,
+    verdict: Verdict,
+) -> Row {
     Row {
         checkpoint: spec.name.clone(),
         prompt: prompt.to_string(),
@@ -222,7 +235,8 @@ fn run_checkpoint(
     };
     // A server cannot be stepped: it runs the request-level scenarios on its own.
     if let crate::suite::EngineSpec::Openai(o) = &spec.engine {
-        let ctx = engine::openai::Checkpoint { suite, spec, openai: o, dir: &dir, tokenizer: &tokenizer, config: &config };
+        let ctx =
+            engine::openai::Checkpoint { suite, spec, openai: o, dir: &dir, tokenizer: &tokenizer, config: &config };
         let rows = engine::openai::run_checkpoint(&ctx, units, opts, progress, &mut report);
         return (report, rows);
     }
@@ -342,7 +356,13 @@ fn load(dir: &std::path::Path, spec: &CheckpointSpec) -> Result<(ModelConfig, To
 
 /// Encode a suite prompt for this checkpoint, apply `length`, and check it fits the context
 /// with the tokens to generate.
-pub(crate) fn encode(p: &PromptSpec, tok: &Tokenizer, config: &ModelConfig, vocab: usize, max_tokens: usize) -> Result<Prompt> {
+pub(crate) fn encode(
+    p: &PromptSpec,
+    tok: &Tokenizer,
+    config: &ModelConfig,
+    vocab: usize,
+    max_tokens: usize,
+) -> Result<Prompt> {
     let mut ids = match &p.source {
         PromptSource::Text(t) => tok.encode_raw(t)?,
         PromptSource::Chat(t) => tok.encode_chat(t)?,

@@ -434,7 +434,7 @@ impl Ctx<'_> {
         };
         let kind = e.kind.get_ref().as_str();
         if kind != "openai"
-            && let Some((key, span)) = openai_only_key(raw)
+            && let Some((key, span)) = engine_openai::openai_only_key(raw)
         {
             return Err(self.err(span, format!("engine.{key} is only for kind = \"openai\"")));
         }
@@ -511,10 +511,10 @@ impl Ctx<'_> {
                     start_timeout: self.seconds("engine.start_timeout", &e.start_timeout, 300.0)?,
                 }))
             }
-            other => {
-                Err(self
-                    .err(e.kind.span(), format!("engine.kind: unknown kind `{other}`; expected builtin, process or openai")))
-            }
+            other => Err(self.err(
+                e.kind.span(),
+                format!("engine.kind: unknown kind `{other}`; expected builtin, process or openai"),
+            )),
         }
     }
 
@@ -526,24 +526,6 @@ impl Ctx<'_> {
         }
         Ok(std::time::Duration::from_secs_f64(x))
     }
-}
-
-/// The first key set that only kind = "openai" reads, with its span.
-fn openai_only_key(raw: &Spanned<RawEngine>) -> Option<(&'static str, std::ops::Range<usize>)> {
-    let e = raw.get_ref();
-    let span = |s: &Option<Spanned<String>>| s.as_ref().map(|v| v.span());
-    [
-        ("url", span(&e.url)),
-        ("model", span(&e.model)),
-        ("ready", span(&e.ready)),
-        ("prompt", span(&e.prompt)),
-        ("top_logprobs", e.top_logprobs.as_ref().map(|v| v.span())),
-        ("request", e.request.as_ref().map(|v| v.span())),
-        ("name", e.name.as_ref().map(|_| raw.span())),
-        ("stream_logprobs", e.stream_logprobs.map(|_| raw.span())),
-    ]
-    .into_iter()
-    .find_map(|(k, s)| s.map(|s| (k, s)))
 }
 
 /// A path name becomes part of report ids and file names: a plain word, nothing that can

@@ -158,7 +158,12 @@ fn divergences_and_shifts_are_judged_like_the_builtin() {
 
     // The same small shift fails a suite that demands bitwise equality, saying where.
     let t = tag("bitwise");
-    let file = suite(&t, "", "bitwise = true", &[("sequential", ""), ("shift-small", r#""--mode", "perturb", "--arg", "1e-4""#)]);
+    let file = suite(
+        &t,
+        "",
+        "bitwise = true",
+        &[("sequential", ""), ("shift-small", r#""--mode", "perturb", "--arg", "1e-4""#)],
+    );
     let report = run(&file, &[Scenario::Single]);
     let r = rows(&report, "shift-small");
     let why = r[0].failure.as_deref().unwrap_or("");

@@ -290,7 +290,11 @@ fn api_summary(out: &mut String, report: &Report) {
     }
     let contradicted = api.iter().filter(|(_, a)| a.text_contradiction.is_some()).count();
     if contradicted > 0 {
-        let _ = writeln!(out, "contradiction: in {} the server's text is not its own top-1 tokens", plural(contradicted, "row"));
+        let _ = writeln!(
+            out,
+            "contradiction: in {} the server's text is not its own top-1 tokens",
+            plural(contradicted, "row")
+        );
     }
     let requests: usize = api.iter().map(|(r, _)| r.paths).sum();
     let (wall, own): (f64, f64) = api.iter().fold((0.0, 0.0), |(w, o), (_, a)| (w + a.seconds, o + a.parity_seconds));

@@ -54,14 +54,8 @@ pub const ALL: &[Scenario] = &[
 ];
 
 /// What an engine that can only be sent whole requests runs (kind = "openai"), and its default.
-pub const REQUEST_LEVEL: &[Scenario] = &[
-    Scenario::Single,
-    Scenario::Batch2,
-    Scenario::Concurrent,
-    Scenario::Lengths,
-    Scenario::Prefix,
-    Scenario::Repeat,
-];
+pub const REQUEST_LEVEL: &[Scenario] =
+    &[Scenario::Single, Scenario::Batch2, Scenario::Concurrent, Scenario::Lengths, Scenario::Prefix, Scenario::Repeat];
 
 impl Scenario {
     pub fn name(self) -> &'static str {

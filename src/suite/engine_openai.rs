@@ -15,13 +15,14 @@ pub(super) fn parse(cx: &Ctx, raw: &Spanned<RawEngine>) -> Result<EngineSpec, Su
                 return Err(cx.err(c.span(), "engine.command: give the program and its arguments"));
             }
             if !c.get_ref().iter().any(|a| a.contains("{port}")) {
-                return Err(cx.err(
-                    c.span(),
-                    "engine.command: pass `{port}` (parity picks a free loopback port per server)",
-                ));
+                return Err(
+                    cx.err(c.span(), "engine.command: pass `{port}` (parity picks a free loopback port per server)")
+                );
             }
             let model = match &e.model {
-                Some(m) => Some(expand_env(m.get_ref()).map_err(|msg| cx.err(m.span(), format!("engine.model: {msg}")))?),
+                Some(m) => {
+                    Some(expand_env(m.get_ref()).map_err(|msg| cx.err(m.span(), format!("engine.model: {msg}")))?)
+                }
                 None => None,
             };
             ServerSpec::Command { argv: c.get_ref().clone(), model }
@@ -30,7 +31,9 @@ pub(super) fn parse(cx: &Ctx, raw: &Spanned<RawEngine>) -> Result<EngineSpec, Su
             if let Some(m) = &e.model {
                 return Err(cx.err(m.span(), "engine.model: a `url` server is already running; nothing is started"));
             }
-            ServerSpec::Url(openai::loopback_url(u.get_ref()).map_err(|m| cx.err(u.span(), format!("engine.url: {m}")))?)
+            ServerSpec::Url(
+                openai::loopback_url(u.get_ref()).map_err(|m| cx.err(u.span(), format!("engine.url: {m}")))?,
+            )
         }
         _ => {
             return Err(cx.err(
@@ -40,7 +43,10 @@ pub(super) fn parse(cx: &Ctx, raw: &Spanned<RawEngine>) -> Result<EngineSpec, Su
         }
     };
     let raw_paths = e.paths.as_ref().ok_or_else(|| {
-        cx.err(raw.span(), "engine: kind = \"openai\" needs [engine.paths] (name = [extra arguments] or {args, request})")
+        cx.err(
+            raw.span(),
+            "engine: kind = \"openai\" needs [engine.paths] (name = [extra arguments] or {args, request})",
+        )
     })?;
     if raw_paths.get_ref().0.is_empty() {
         return Err(cx.err(raw_paths.span(), "engine.paths: name at least one path"));
@@ -135,11 +141,26 @@ pub(super) fn scenarios_for(
             } else {
                 "it is a request-level scenario (kind = \"openai\" only)"
             };
-            return Err(cx.err(
-                span,
-                format!("scenario `{}`: {what}; this engine runs {}", s.name(), names.join(", ")),
-            ));
+            return Err(cx.err(span, format!("scenario `{}`: {what}; this engine runs {}", s.name(), names.join(", "))));
         }
     }
     Ok(scenarios)
+}
+
+/// The first key set that only kind = "openai" reads, with its span.
+pub(super) fn openai_only_key(raw: &Spanned<RawEngine>) -> Option<(&'static str, std::ops::Range<usize>)> {
+    let e = raw.get_ref();
+    let span = |s: &Option<Spanned<String>>| s.as_ref().map(|v| v.span());
+    [
+        ("url", span(&e.url)),
+        ("model", span(&e.model)),
+        ("ready", span(&e.ready)),
+        ("prompt", span(&e.prompt)),
+        ("top_logprobs", e.top_logprobs.as_ref().map(|v| v.span())),
+        ("request", e.request.as_ref().map(|v| v.span())),
+        ("name", e.name.as_ref().map(|_| raw.span())),
+        ("stream_logprobs", e.stream_logprobs.map(|_| raw.span())),
+    ]
+    .into_iter()
+    .find_map(|(k, s)| s.map(|s| (k, s)))
 }

@@ -130,8 +130,9 @@ impl Client<'_> {
                     break;
                 }
                 let t = Instant::now();
-                let v: Value = serde_json::from_str(data)
-                    .map_err(|e| RequestError::Malformed(format!("stream event is not JSON ({e}): {}", excerpt(data))))?;
+                let v: Value = serde_json::from_str(data).map_err(|e| {
+                    RequestError::Malformed(format!("stream event is not JSON ({e}): {}", excerpt(data)))
+                })?;
                 let before = (acc.entries.len(), acc.chunks);
                 acc.absorb(&v, self.tokenizer)?;
                 parity += t.elapsed().as_secs_f64();
@@ -166,7 +167,10 @@ impl Accum {
     /// Take in one response object or stream event.
     fn absorb(&mut self, v: &Value, tok: &Tokenizer) -> Result<(), RequestError> {
         if let Some(err) = v.get("error") {
-            return Err(RequestError::Malformed(format!("the server reported an error: {}", excerpt(&err.to_string()))));
+            return Err(RequestError::Malformed(format!(
+                "the server reported an error: {}",
+                excerpt(&err.to_string())
+            )));
         }
         if let Some(f) = v.get("system_fingerprint").and_then(Value::as_str) {
             self.fingerprint = Some(f.to_string());
@@ -194,9 +198,13 @@ impl Accum {
         let Some(content) = choice.pointer("/logprobs/content").and_then(Value::as_array) else { return Ok(()) };
         for entry in content {
             let step = self.entries.len();
-            let top = entry.get("top_logprobs").and_then(Value::as_array).filter(|t| !t.is_empty()).ok_or_else(|| {
-                RequestError::NoLogprobs(format!("step {step} has no top_logprobs: {}", excerpt(&entry.to_string())))
-            })?;
+            let top =
+                entry.get("top_logprobs").and_then(Value::as_array).filter(|t| !t.is_empty()).ok_or_else(|| {
+                    RequestError::NoLogprobs(format!(
+                        "step {step} has no top_logprobs: {}",
+                        excerpt(&entry.to_string())
+                    ))
+                })?;
             let mut list = Vec::with_capacity(top.len());
             for t in top {
                 let id = token_id(t, tok).map_err(|m| RequestError::Malformed(format!("step {step}: {m}")))?;

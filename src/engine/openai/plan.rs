@@ -21,9 +21,14 @@ use crate::scenario::{Prompt, Scenario, Settings};
 pub enum Start {
     Now,
     /// Once request `of` has streamed this many tokens (or ended).
-    AfterTokens { of: usize, tokens: usize },
+    AfterTokens {
+        of: usize,
+        tokens: usize,
+    },
     /// Once request `of` has ended.
-    AfterDone { of: usize },
+    AfterDone {
+        of: usize,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -141,8 +146,11 @@ pub fn boundary_lengths(s: &Settings) -> Vec<usize> {
     if let Some(l) = &s.lengths {
         return l.clone();
     }
-    let mut out: Vec<usize> =
-        [s.tile, s.block_size, s.chunk].iter().flat_map(|&b| [b.saturating_sub(1), b, b + 1]).filter(|&l| l > 0).collect();
+    let mut out: Vec<usize> = [s.tile, s.block_size, s.chunk]
+        .iter()
+        .flat_map(|&b| [b.saturating_sub(1), b, b + 1])
+        .filter(|&l| l > 0)
+        .collect();
     out.sort_unstable();
     out.dedup();
     out
@@ -155,7 +163,10 @@ fn lengths(prompts: &[Prompt], s: &Settings) -> Vec<Schedule> {
         .map(|len| {
             let ids: Vec<u32> = p.ids.iter().copied().cycle().take(len).collect();
             let prompt = Prompt { name: format!("{}/len{len}", p.name), ids };
-            Schedule { requests: vec![now(&prompt.ids, s.max_tokens)], rows: vec![row(&prompt, &format!("len{len}"), vec![0])] }
+            Schedule {
+                requests: vec![now(&prompt.ids, s.max_tokens)],
+                rows: vec![row(&prompt, &format!("len{len}"), vec![0])],
+            }
         })
         .collect()
 }
@@ -170,7 +181,13 @@ fn prefix(prompts: &[Prompt], inp: &Inputs) -> Vec<Schedule> {
         if let Some(answer) = (inp.reference_tokens)(&p.ids) {
             let ids: Vec<u32> = p.ids.iter().chain(&answer).chain(tail).copied().collect();
             let mut r = row(p, "extends", vec![1]);
-            r.notes.push(format!("prompt {} = earlier prompt {} + its answer {} + {}", ids.len(), p.ids.len(), answer.len(), tail.len()));
+            r.notes.push(format!(
+                "prompt {} = earlier prompt {} + its answer {} + {}",
+                ids.len(),
+                p.ids.len(),
+                answer.len(),
+                tail.len()
+            ));
             out.push(Schedule { requests: vec![now(&p.ids, n), then(ids)], rows: vec![r] });
         }
         let ids: Vec<u32> = p.ids.iter().chain(tail).copied().collect();

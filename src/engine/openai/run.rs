@@ -154,7 +154,8 @@ fn compute_references(cx: &Checkpoint, server: &mut Server, prompts: &[Vec<u32>]
         if out.contains_key(ids) {
             continue;
         }
-        let alone = Planned { ids: ids.clone(), max_tokens: cx.spec.settings.max_tokens, start: Start::Now, stream: false };
+        let alone =
+            Planned { ids: ids.clone(), max_tokens: cx.spec.settings.max_tokens, start: Start::Now, stream: false };
         let answer = super::exec::run(&c, &[alone]).remove(0).map_err(|e| match server.ended() {
             Some(how) => format!("{e}; the reference server {how}"),
             None => e.to_string(),

@@ -97,7 +97,8 @@ impl Server {
             log_file: places.log.clone(),
         })
         .map_err(|e| e.to_string())?;
-        let server = Server { child: Some(child), base: format!("http://{LOOPBACK}:{port}"), log: places.log.clone(), started };
+        let server =
+            Server { child: Some(child), base: format!("http://{LOOPBACK}:{port}"), log: places.log.clone(), started };
         server.wait_ready(spec, started)
     }
 

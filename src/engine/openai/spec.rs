@@ -103,9 +103,9 @@ pub fn request_fields(table: &toml::Table) -> Result<Map<String, Value>, String>
 /// Accept only `http://` URLs to a loopback host (`127.0.0.1`, `[::1]`, `localhost`): parity
 /// never sends a prompt off the machine. Returns the URL without a trailing slash.
 pub fn loopback_url(url: &str) -> Result<String, String> {
-    let rest = url.strip_prefix("http://").ok_or_else(|| {
-        format!("`{url}`: only http:// to a loopback host (127.0.0.1, [::1], localhost) is allowed")
-    })?;
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| format!("`{url}`: only http:// to a loopback host (127.0.0.1, [::1], localhost) is allowed"))?;
     let authority = rest.split('/').next().unwrap_or(rest);
     if authority.contains('@') {
         return Err(format!("`{url}`: credentials in a URL are not accepted"));
