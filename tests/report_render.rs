@@ -160,6 +160,7 @@ fn report() -> Report {
         suite: "qwen3".into(),
         suite_file: "suites/qwen3.toml".into(),
         parity_version: "0.1.0".into(),
+        parity_commit: "0123456789ab".into(),
         environment: Environment {
             mlx_version: "0.25.1".into(),
             device: "cpu".into(),

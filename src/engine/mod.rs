@@ -159,6 +159,40 @@ pub trait EnginePath {
     fn session(&mut self, faults: Faults) -> Result<Box<dyn Session + '_>>;
 }
 
+/// A stand-in path for planning: scenarios name their rows before they touch an engine, so a
+/// run against this one (with a selector that lets nothing run) lists the rows a real run
+/// would make. Opening a session is an error: nothing may run on it.
+pub struct Planning(PathInfo);
+
+impl Planning {
+    pub fn new(vocab_size: usize) -> Self {
+        Planning(PathInfo {
+            name: "planning".into(),
+            engine: EngineId { kind: "planning".into(), name: String::new(), version: String::new() },
+            vocab_size,
+            dtype: DtypeName::Float32,
+            capabilities: Capabilities {
+                masked_prefix: true,
+                share_prefix: true,
+                max_batch: None,
+                stats: false,
+                block_size: None,
+                faults: Vec::new(),
+            },
+        })
+    }
+}
+
+impl EnginePath for Planning {
+    fn info(&self) -> &PathInfo {
+        &self.0
+    }
+
+    fn session(&mut self, _faults: Faults) -> Result<Box<dyn Session + '_>> {
+        Err(crate::Error::Invalid("the planning stand-in runs nothing".into()))
+    }
+}
+
 /// Prefill `prompt` into a fresh sequence and decode `max_tokens` greedy tokens: the
 /// reference run, and `parity generate`.
 pub fn generate(session: &mut dyn Session, prompt: &[u32], max_tokens: usize) -> Result<(SeqId, Trace)> {

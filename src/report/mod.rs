@@ -23,6 +23,9 @@ pub struct Report {
     pub suite: String,
     pub suite_file: String,
     pub parity_version: String,
+    /// The git commit parity was built from (`-dirty`: with uncommitted changes).
+    #[serde(default)]
+    pub parity_commit: String,
     pub environment: Environment,
     /// Set when this report covers one shard of the suite (`--shard I/N`).
     pub shard: Option<Shard>,
@@ -164,6 +167,25 @@ pub struct ApiFacts {
     /// (encoding, parsing, comparing).
     pub seconds: f64,
     pub parity_seconds: f64,
+}
+
+impl Row {
+    /// `checkpoint/prompt/scenario:case/backend`: the one id every report prints for a row,
+    /// and exactly what `--filter` matches (a substring of it), so an id copied from any
+    /// report selects that row.
+    pub fn id(&self) -> String {
+        row_id(&self.checkpoint, &self.prompt, &self.scenario, &self.case, &self.backend)
+    }
+
+    /// The id inside its checkpoint (JUnit's test name; the class is the checkpoint).
+    pub fn case_id(&self) -> String {
+        format!("{}/{}:{}/{}", self.prompt, self.scenario, self.case, self.backend)
+    }
+}
+
+/// A row's id from its parts, for selecting rows before they exist.
+pub fn row_id(checkpoint: &str, prompt: &str, scenario: &str, case: &str, path: &str) -> String {
+    format!("{checkpoint}/{prompt}/{scenario}:{case}/{path}")
 }
 
 /// Where a path first chose differently from its reference, in layout terms.

@@ -12,7 +12,7 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
     let mut out = Vec::new();
     let steps = h.settings.max_tokens;
     for (i, p) in prompts.iter().enumerate() {
-        attempt(&mut out, "same", p, || {
+        attempt(h, &mut out, &[(p, "same")], |h| {
             need_batch(path, 2)?;
             let reference = h.reference(&p.ids)?;
             let mut s = path.session(h.faults)?;
@@ -25,7 +25,7 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
         });
 
         if let Some(j) = ragged_partner(prompts, i) {
-            attempt(&mut out, "ragged", p, || {
+            attempt(h, &mut out, &[(p, "ragged")], |h| {
                 need_batch(path, 2)?;
                 let other = &prompts[j];
                 let reference = h.reference(&p.ids)?;

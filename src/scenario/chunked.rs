@@ -11,7 +11,7 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
     let name = format!("c{c}");
     let mut out = Vec::new();
     for p in prompts {
-        attempt(&mut out, &name, p, || {
+        attempt(h, &mut out, &[(p, &name)], |h| {
             if c == 0 {
                 return Err(Error::Invalid("chunk must be positive".into()));
             }

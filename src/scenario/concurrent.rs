@@ -17,6 +17,11 @@ struct Request {
 
 /// One schedule for all prompts: if it cannot run, every prompt's row says why.
 pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
+    // One schedule: it runs whole if any of its requests' rows is wanted.
+    let n = h.settings.concurrent.requests;
+    if prompts.is_empty() || !(0..n).any(|j| h.wants(&prompts[j % prompts.len()].name, &format!("req{j}"))) {
+        return Vec::new();
+    }
     match schedule(h, path, prompts) {
         Ok(cases) => cases,
         Err(e) => {

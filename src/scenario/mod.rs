@@ -234,12 +234,28 @@ pub struct Harness<'r> {
     pub pad_token: u32,
     reference: &'r mut dyn EnginePath,
     references: HashMap<Vec<u32>, Trace>,
+    /// The rows (prompt name, case) this run wants; `None`: all of them.
+    select: Option<Selector<'r>>,
 }
+
+/// Whether a row, named by its prompt and case, is wanted (`--filter`).
+pub type Selector<'r> = Box<dyn Fn(&str, &str) -> bool + 'r>;
 
 impl<'r> Harness<'r> {
     /// Scenarios run with `faults` planted in the paths they drive; references never do.
     pub fn new(reference: &'r mut dyn EnginePath, settings: Settings, faults: Faults, pad_token: u32) -> Self {
-        Harness { settings, faults, pad_token, reference, references: HashMap::new() }
+        Harness { settings, faults, pad_token, reference, references: HashMap::new(), select: None }
+    }
+
+    /// Run only the cases producing rows `select` wants (each scenario still sees every
+    /// prompt, so a selected row is computed exactly as in a full run: same ragged partner,
+    /// same batch). `None` selects everything.
+    pub fn select(&mut self, select: Option<Selector<'r>>) {
+        self.select = select;
+    }
+
+    pub fn wants(&self, prompt: &str, case: &str) -> bool {
+        self.select.as_ref().is_none_or(|f| f(prompt, case))
     }
 
     /// The reference path (engine, dtype, capabilities), as reports name it.
@@ -253,7 +269,12 @@ impl<'r> Harness<'r> {
             return Ok(t.clone());
         }
         let steps = self.settings.max_tokens;
-        let (_, trace) = engine::generate(self.reference.session(Faults::NONE)?.as_mut(), prompt, steps)?;
+        let run = self.reference.session(Faults::NONE).and_then(|mut s| engine::generate(s.as_mut(), prompt, steps));
+        // The prompt cannot run on the reference path at all: its rows fail, saying where.
+        let (_, trace) = run.map_err(|e| match e {
+            Error::Unsupported(why) => Error::Unsupported(why),
+            e => Error::Invalid(format!("reference run failed: {e}")),
+        })?;
         self.references.insert(prompt.to_vec(), trace.clone());
         Ok(trace)
     }
@@ -388,10 +409,20 @@ pub fn need_masked_prefix(path: &dyn EnginePath) -> Result<()> {
     }
 }
 
-/// Run one case and keep its output; an error becomes a failed case of that name and an
-/// unsupported operation a skipped one, so one case never takes its prompt's others down.
-pub fn attempt(out: &mut Vec<CaseOutput>, case: &str, prompt: &Prompt, f: impl FnOnce() -> Result<Vec<CaseOutput>>) {
-    match f() {
+/// Run one case, which yields the rows `rows` (prompt, case name), if any of them is wanted,
+/// and keep its output. An error becomes a failed row (the first name) and an unsupported
+/// operation a skipped one, so one case never takes its prompt's others down.
+pub fn attempt<'r>(
+    h: &mut Harness<'r>,
+    out: &mut Vec<CaseOutput>,
+    rows: &[(&Prompt, &str)],
+    f: impl FnOnce(&mut Harness<'r>) -> Result<Vec<CaseOutput>>,
+) {
+    let Some(&(prompt, case)) = rows.first() else { return };
+    if !rows.iter().any(|(p, c)| h.wants(&p.name, c)) {
+        return;
+    }
+    match f(h) {
         Ok(mut cases) => out.append(&mut cases),
         Err(e) => out.push(CaseOutput {
             case: case.to_string(),

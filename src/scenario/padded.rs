@@ -26,7 +26,7 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
     let mut out = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         let n = p.ids.len();
-        attempt(&mut out, "tile", p, || {
+        attempt(h, &mut out, &[(p, "tile")], |h| {
             if tile == 0 {
                 return Err(Error::Invalid("tile must be positive".into()));
             }
@@ -53,7 +53,7 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
 
         // batch-right: this prompt in row 0, a prompt of another length in row 1.
         if let Some(j) = super::ragged_partner(prompts, i) {
-            attempt(&mut out, "batch-right", p, || {
+            attempt(h, &mut out, &[(p, "batch-right")], |h| {
                 need_batch(path, 2)?;
                 let other = &prompts[j];
                 let reference = h.reference(&p.ids)?;
@@ -94,7 +94,7 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
 
         // batch-left: this prompt left-padded next to a longer row (its own tokens twice, so
         // every prompt gets left pads whatever the suite's lengths).
-        attempt(&mut out, "batch-left", p, || {
+        attempt(h, &mut out, &[(p, "batch-left")], |h| {
             need_batch(path, 2)?;
             need_masked_prefix(path)?;
             let reference = h.reference(&p.ids)?;

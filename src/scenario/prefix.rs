@@ -40,7 +40,7 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
         ids.extend(p.ids.iter().rev().take(p.ids.len() - share + 2));
         let derived = Prompt { name: format!("{}/shared{share}", p.name), ids };
 
-        attempt(&mut out, "after-finish", &derived, || {
+        attempt(h, &mut out, &[(&derived, "after-finish")], |h| {
             need_share(path.info())?;
             let donor_ref = h.reference(&p.ids)?;
             let adopter_ref = h.reference(&derived.ids)?;
@@ -61,7 +61,7 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
             Ok(vec![c])
         });
 
-        attempt(&mut out, "while-running", p, || {
+        attempt(h, &mut out, &[(p, "while-running"), (&derived, "while-running/adopter")], |h| {
             need_share(path.info())?;
             let donor_ref = h.reference(&p.ids)?;
             let adopter_ref = h.reference(&derived.ids)?;

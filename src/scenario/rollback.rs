@@ -13,7 +13,7 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
     let name = format!("k{k}");
     let mut out = Vec::new();
     for p in prompts {
-        attempt(&mut out, &name, p, || {
+        attempt(h, &mut out, &[(p, &name)], |h| {
             let reference = h.reference(&p.ids)?;
             let mut s = path.session(h.faults)?;
             let mut live = Live::new(s.create(0)?, &reference, h.settings.max_tokens);

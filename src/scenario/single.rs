@@ -7,7 +7,7 @@ use crate::engine::EnginePath;
 pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
     let mut out = Vec::new();
     for p in prompts {
-        attempt(&mut out, "plain", p, || {
+        attempt(h, &mut out, &[(p, "plain")], |h| {
             let reference = h.reference(&p.ids)?;
             let mut s = path.session(h.faults)?;
             let mut live = Live::new(s.create(0)?, &reference, h.settings.max_tokens);

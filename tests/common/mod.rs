@@ -92,3 +92,23 @@ pub fn assert_no_leftovers(tag: &str) {
     let left = processes_tagged(tag);
     assert!(left.is_empty(), "engine processes outlived the run: {left:?}");
 }
+
+/// The binary as the tests run it: on the CPU (the accepted snapshots are CPU ones, also on a
+/// Mac), never accepting snapshots because of the caller's environment.
+pub fn command() -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_parity"));
+    c.current_dir(repo()).env("PARITY_DEVICE", "cpu").env_remove("PARITY_UPDATE").env_remove("INSTA_UPDATE");
+    c
+}
+
+pub fn parity(args: &[&str]) -> std::process::Output {
+    command().args(args).output().expect("run parity")
+}
+
+pub fn code(o: &std::process::Output) -> i32 {
+    o.status.code().unwrap_or(-1)
+}
+
+pub fn text(o: &std::process::Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}

@@ -161,12 +161,9 @@ fn lengths(prompts: &[Prompt], s: &Settings) -> Vec<Schedule> {
     boundary_lengths(s)
         .into_iter()
         .map(|len| {
+            // The row keeps the prompt's name; the case says the length.
             let ids: Vec<u32> = p.ids.iter().copied().cycle().take(len).collect();
-            let prompt = Prompt { name: format!("{}/len{len}", p.name), ids };
-            Schedule {
-                requests: vec![now(&prompt.ids, s.max_tokens)],
-                rows: vec![row(&prompt, &format!("len{len}"), vec![0])],
-            }
+            Schedule { requests: vec![now(&ids, s.max_tokens)], rows: vec![row(p, &format!("len{len}"), vec![0])] }
         })
         .collect()
 }

@@ -15,7 +15,7 @@ use super::{Checkpoint, rows};
 use crate::compare::Verdict;
 use crate::engine::EngineId;
 use crate::report::{CheckpointReport, CheckpointStatus, Phase, Row};
-use crate::run::{Progress, RunOptions, Unit, blanket_rows, empty_row, encode};
+use crate::run::{Progress, RunOptions, Unit, blanket_rows, empty_row, encode, selected};
 use crate::scenario::{Prompt, Scenario};
 
 /// Answers to prompts sent alone on the reference path, by prompt ids.
@@ -38,7 +38,7 @@ pub(crate) fn run_checkpoint(
         // parity can plant faults only in its own runtime: a selftest through a server would
         // "catch" nothing and prove nothing.
         let why = format!("engine {} (kind openai) cannot plant faults", o.name);
-        return blanket_rows(cx.suite, spec, units, Verdict::Skipped, &why);
+        return blanket_rows(cx.suite, spec, units, opts, Verdict::Skipped, &why);
     }
 
     // Prompts, encoded once; one that cannot be fails its own rows only.
@@ -63,22 +63,29 @@ pub(crate) fn run_checkpoint(
             let why = format!("reference path `{}` did not start: {why}", o.reference);
             report.status = CheckpointStatus::Error;
             report.reason = Some(why.clone());
-            return blanket_rows(cx.suite, spec, units, Verdict::Error, &why);
+            return blanket_rows(cx.suite, spec, units, opts, Verdict::Error, &why);
         }
     };
     let mut references = References::new();
     let base: Vec<Vec<u32>> = good.iter().map(|p| p.ids.clone()).collect();
     compute_references(cx, &mut reference, &base, &mut references);
-    let mut schedules: BTreeMap<(Scenario, Vec<usize>), Vec<Schedule>> = BTreeMap::new();
+    let mut schedules: BTreeMap<(Scenario, String, Vec<usize>), Vec<Schedule>> = BTreeMap::new();
     for u in units {
-        let key = (u.scenario, u.prompts.clone());
+        let key = (u.scenario, u.path.clone(), u.prompts.clone());
         if schedules.contains_key(&key) {
             continue;
         }
         let mine: Vec<Prompt> = u.prompts.iter().filter_map(|p| prompts[p].as_ref().ok().cloned()).collect();
         let tokens = |ids: &[u32]| references.get(ids).and_then(|r| r.as_ref().ok()).map(|c| c.trace.tokens.clone());
         let inputs = Inputs { settings: &spec.settings, stream_logprobs: o.stream_logprobs, reference_tokens: &tokens };
-        schedules.insert(key, plan::plan(u.scenario, &mine, &inputs));
+        let mut planned = plan::plan(u.scenario, &mine, &inputs);
+        // Under --filter, only schedules with a selected row are sent (and their references).
+        planned.retain(|s| {
+            s.rows
+                .iter()
+                .any(|r| selected(opts, &empty_row(spec, &r.prompt, u.scenario, &r.case, &u.path, Verdict::Identical)))
+        });
+        schedules.insert(key, planned);
     }
     let mut more: Vec<Vec<u32>> = Vec::new();
     for s in schedules.values().flatten() {
@@ -102,15 +109,18 @@ pub(crate) fn run_checkpoint(
             if let Err(why) = &prompts[&p] {
                 let mut row = empty_row(spec, &cx.suite.prompts[p].name, u.scenario, "*", &u.path, Verdict::Error);
                 row.failure = Some(why.clone());
-                out.push(row);
+                if selected(opts, &row) {
+                    out.push(row);
+                }
             }
         }
-        let planned = &schedules[&(u.scenario, u.prompts.clone())];
+        let planned = &schedules[&(u.scenario, u.path.clone(), u.prompts.clone())];
+        let first = out.len();
         if !planned.is_empty() {
             out.extend(run_unit(cx, u, planned, &references, opts, report));
         }
         report.phases.push(Phase { name: label, seconds: t.elapsed().as_secs_f64() });
-        progress.unit_done();
+        progress.unit_done(&out[first..]);
     }
     if let Some(e) = report.engine.as_mut()
         && let Some(r) = &report.reference_engine
