@@ -166,7 +166,7 @@ fn compute_references(cx: &Checkpoint, server: &mut Server, prompts: &[Vec<u32>]
         }
         let alone =
             Planned { ids: ids.clone(), max_tokens: cx.spec.settings.max_tokens, start: Start::Now, stream: false };
-        let answer = super::exec::run(&c, &[alone]).remove(0).map_err(|e| match server.ended() {
+        let answer = super::exec::run(&c, &[alone]).remove(0).map_err(|e| match server.ended_after_failure() {
             Some(how) => format!("{e}; the reference server {how}"),
             None => e.to_string(),
         });
@@ -214,7 +214,7 @@ fn run_unit(
             continue;
         }
         let answers = super::exec::run(&c, &s.requests);
-        let ended = if answers.iter().any(|a| a.is_err()) { server.ended() } else { None };
+        let ended = if answers.iter().any(|a| a.is_err()) { server.ended_after_failure() } else { None };
         for r in &s.rows {
             out.push(rows::row(cx, u, s, r, &answers, references, ended.as_deref()));
         }

@@ -146,6 +146,22 @@ impl Server {
         if tail.is_empty() { log } else { format!("{log}\nserver output (last lines):\n{tail}") }
     }
 
+    /// After a failed request: give a dying server a moment to be seen dead (the connection
+    /// drops before the exit status is reapable), then say how it ended, if it did.
+    pub fn ended_after_failure(&mut self) -> Option<String> {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < deadline {
+            if let Some(why) = self.ended() {
+                return Some(why);
+            }
+            if self.child.is_none() {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
     /// Kill the server's process group now (also done on drop).
     pub fn stop(&mut self) {
         if let Some(c) = self.child.as_mut() {
