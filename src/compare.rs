@@ -221,6 +221,29 @@ pub fn nan_max(a: f32, b: f32) -> f32 {
     if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) }
 }
 
+/// The first step whose logits hold a NaN or an infinity, if any: one reduction on the device
+/// over every step, one small host copy.
+///
+/// A non-finite *reference* is not a KV bug (the reference reads no pool): the checkpoint or
+/// the runtime produces it, and blaming the pool would send an engineer to the wrong code.
+pub fn first_non_finite(logits: &[Array]) -> Result<Option<usize>> {
+    if logits.is_empty() {
+        return Ok(None);
+    }
+    let all = mlx_rs::ops::stack(logits, 0)?;
+    let finite = all.is_finite()?.all_axis(-1, false)?;
+    finite.eval()?;
+    Ok(finite.as_slice::<bool>().iter().position(|&ok| !ok))
+}
+
+/// [`first_non_finite`] as an error naming the step: `what` says whose logits they are.
+pub fn require_finite(what: &'static str, logits: &[Array]) -> Result<()> {
+    match first_non_finite(logits)? {
+        None => Ok(()),
+        Some(step) => Err(Error::NonFinite { what, step }),
+    }
+}
+
 /// What a request-level engine (kind = "openai") returns per generated token: the top-k
 /// `(token, logprob)` the server reported, sorted most probable first (ties by token id, as
 /// an argmax picks them). The greedy token is the first entry, whatever the server presented.
@@ -257,27 +280,28 @@ pub struct LogprobComparison {
     pub length_mismatch: Option<(usize, usize)>,
 }
 
-/// Largest |a - b| over the tokens both top-k lists hold, and the first token that differs
-/// at all (in value, or by being in one list only).
-fn step_delta(r: &[(u32, f64)], a: &[(u32, f64)]) -> (f64, Option<(u32, Option<f64>, Option<f64>)>) {
+/// Largest |a - b| over the tokens both top-k lists hold at `step`, and the first token that
+/// differs at all (in value, or by being in one list only).
+fn step_delta(step: usize, r: &[(u32, f64)], a: &[(u32, f64)]) -> (f64, Option<FirstDifference>) {
     let mut max = 0f64;
     let mut first = None;
+    let at = |token, reference, path| Some(FirstDifference { step, token, reference, path });
     for &(t, lr) in r {
         match a.iter().find(|x| x.0 == t) {
             Some(&(_, la)) => {
                 max = max.max((la - lr).abs());
                 if la.to_bits() != lr.to_bits() && first.is_none() {
-                    first = Some((t, Some(lr), Some(la)));
+                    first = at(t, Some(lr), Some(la));
                 }
             }
-            None if first.is_none() => first = Some((t, Some(lr), None)),
+            None if first.is_none() => first = at(t, Some(lr), None),
             None => {}
         }
     }
     if first.is_none()
         && let Some(&(t, la)) = a.iter().find(|x| !r.iter().any(|y| y.0 == x.0))
     {
-        first = Some((t, None, Some(la)));
+        first = at(t, None, Some(la));
     }
     (max, first)
 }
@@ -292,12 +316,10 @@ pub fn compare_logprobs(reference: &LogprobTrace, path: &LogprobTrace, tolerance
     let mut step_max_delta = Vec::with_capacity(n);
     let mut first_difference = None;
     for s in 0..n {
-        let (d, first) = step_delta(&reference.steps[s], &path.steps[s]);
+        let (d, first) = step_delta(s, &reference.steps[s], &path.steps[s]);
         step_max_delta.push(d);
-        if first_difference.is_none()
-            && let Some((token, r, p)) = first
-        {
-            first_difference = Some(FirstDifference { step: s, token, reference: r, path: p });
+        if first_difference.is_none() {
+            first_difference = first;
         }
     }
     let max_delta = step_max_delta.iter().copied().fold(0f64, f64::max);

@@ -25,6 +25,9 @@ pub enum Fault {
     BatchRowSwap,
     /// A write into a block shared with another sequence skips the copy-on-write.
     CowSkipped,
+    /// Paged release forgets the sequence but never frees its blocks: same tokens, but the
+    /// pool leaks until a real engine runs out of KV blocks. Only the books audit sees it.
+    BlockLeak,
 }
 
 pub const ALL: &[Fault] = &[
@@ -36,6 +39,7 @@ pub const ALL: &[Fault] = &[
     Fault::PadUnmasked,
     Fault::BatchRowSwap,
     Fault::CowSkipped,
+    Fault::BlockLeak,
 ];
 
 impl Fault {
@@ -49,6 +53,7 @@ impl Fault {
             Fault::PadUnmasked => "pad-unmasked",
             Fault::BatchRowSwap => "batch-row-swap",
             Fault::CowSkipped => "cow-skipped",
+            Fault::BlockLeak => "block-leak",
         }
     }
 

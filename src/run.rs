@@ -395,6 +395,13 @@ fn run_checkpoint(
                         let floor = floor_for(&mut harness, &mut floors, &c.prompt.name, &all);
                         unit_rows.push(case_row(&mut harness, spec, u, &c, &tokenizer, floor, &info));
                     }
+                    // Cases the scenario could not form for a prompt: skipped rows, not missing.
+                    for (prompt, case, why) in crate::coverage::absent_cases(u.scenario, &ok_prompts) {
+                        let mut row = empty_row(spec, &prompt, u.scenario, case, &u.path, Verdict::Skipped);
+                        row.pass = true;
+                        row.notes.push(why);
+                        unit_rows.push(row);
+                    }
                 }
                 Some(Err(why)) => {
                     for p in &ok_prompts {
@@ -561,6 +568,13 @@ fn case_row(
     row.paths = c.paths.len();
     row.kv = c.kv;
     row.noise_floor_rel_rms = floor;
+    // A case that tested nothing of its scenario is skipped with the reason, never a pass.
+    if let Some(why) = crate::coverage::skip_reason(u.scenario, path.kv_backend(), c, &spec.settings) {
+        row.verdict = Verdict::Skipped;
+        row.pass = true;
+        row.notes.push(why);
+        return row;
+    }
     let reference = match h.reference(&c.prompt.ids) {
         Ok(r) => r,
         Err(e) => {
@@ -629,6 +643,12 @@ fn case_row(
     row.text = tok.decode(&row.tokens).ok();
     row.reference_text = tok.decode(&row.reference_tokens).ok();
     judge(&mut row, spec);
+    // Same tokens from a pool that leaks is still a broken engine: the books fail the row.
+    if let Some(books) = &c.audit {
+        row.verdict = Verdict::Error;
+        row.pass = false;
+        row.failure = Some(row.failure.take().map_or_else(|| books.clone(), |f| format!("{f}; {books}")));
+    }
     row
 }
 
@@ -644,7 +664,7 @@ fn judge(row: &mut Row, spec: &CheckpointSpec) {
         });
     }
     match row.max_rel_rms {
-        None if row.nan => why.push("NaN logits (a poisoned or freed row was read)".into()),
+        None if row.nan => why.push("NaN logits from a finite reference (a poisoned or freed row was read)".into()),
         Some(r) if r > tol => why.push(format!("max relative RMS {r:.3e} > tolerance {tol:.1e}")),
         _ => {}
     }

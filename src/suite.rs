@@ -4,7 +4,14 @@
 //! Every mistake is reported with file, line and column before anything runs: unknown keys and
 //! wrong types by the TOML deserializer, semantic checks (positive sizes, tile a multiple of
 //! 8, known scenario names) against the span of the offending value.
+//!
+//! Suites are untrusted input (fuzzed: see `fuzz/`). Names become file names, so they must be
+//! plain file-name components ([`crate::names`]); sizes have an upper bound, so no value can
+//! make a run allocate without limit; settings that would make a scenario test nothing are
+//! errors ([`crate::coverage`]).
 
+use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -157,6 +164,19 @@ pub struct Suite {
     pub checkpoints: Vec<CheckpointSpec>,
 }
 
+impl CheckpointSpec {
+    /// The builtin KV stores among this checkpoint's paths, for checks that only matter to a
+    /// block pool. Another engine's paths are known only once started (their `hello` says
+    /// whether they are paged), so none of them counts here.
+    pub fn kv_backends(&self) -> Vec<Backend> {
+        match self.engine {
+            EngineSpec::Builtin => self.paths.iter().filter_map(|p| p.parse().ok()).collect(),
+            // Neither owns one of parity's KV pools: the engine keeps its cache to itself.
+            EngineSpec::Process(_) | EngineSpec::Openai(_) => Vec::new(),
+        }
+    }
+}
+
 impl Suite {
     /// The directory relative checkpoint paths are resolved against.
     pub fn dir(&self) -> PathBuf {
@@ -169,7 +189,7 @@ impl Suite {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawSuite {
-    name: Option<String>,
+    name: Option<Spanned<String>>,
     #[allow(dead_code)]
     description: Option<String>,
     dtype: Option<Spanned<String>>,
@@ -198,7 +218,7 @@ struct RawPrompt {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawCheckpoint {
-    name: Option<String>,
+    name: Option<Spanned<String>>,
     path: Option<Spanned<String>>,
     repo: Option<Spanned<String>>,
     dtype: Option<Spanned<String>>,
@@ -307,6 +327,14 @@ struct Ctx<'a> {
     text: &'a str,
 }
 
+/// Largest count any size, length or step setting may hold: beyond any context parity can run,
+/// and small enough that no value in a suite can make a run allocate without bound.
+pub const MAX_COUNT: usize = 1 << 24;
+
+/// Where each effective setting was written (suite level or checkpoint override), so a check
+/// that involves several settings can point at the one the suite actually set.
+type SettingSpans = BTreeMap<&'static str, Range<usize>>;
+
 impl Ctx<'_> {
     fn err(&self, span: std::ops::Range<usize>, message: impl Into<String>) -> SuiteError {
         let (line, column) = line_col(self.text, span.start);
@@ -320,15 +348,26 @@ impl Ctx<'_> {
             let what = if allow_zero { "must not be negative" } else { "must be positive" };
             return Err(self.err(v.span(), format!("{key}: {n} {what}")));
         }
+        if n as u64 > MAX_COUNT as u64 {
+            return Err(self.err(v.span(), format!("{key}: {n} is larger than the limit of {MAX_COUNT}")));
+        }
         Ok(Some(n as usize))
     }
 
-    fn apply(&self, p: &SettingsPatch, s: &mut Settings) -> Result<(), SuiteError> {
-        let set = |dst: &mut usize, key: &str, v: &Option<Spanned<i64>>, zero: bool| -> Result<(), SuiteError> {
+    /// A name that becomes (part of) a file name: one plain component, or an error at `span`.
+    fn file_name(&self, what: &str, name: &str, span: Range<usize>) -> Result<(), SuiteError> {
+        crate::names::check_component(name).map_err(|why| {
+            self.err(span, format!("{what} `{}` {why}: names become report file names", name.escape_debug()))
+        })
+    }
+
+    fn apply(&self, p: &SettingsPatch, s: &mut Settings, spans: &mut SettingSpans) -> Result<(), SuiteError> {
+        let mut set = |dst: &mut usize, key: &'static str, v: &Option<Spanned<i64>>, zero: bool| {
             if let Some(n) = self.positive(key, v, zero)? {
                 *dst = n;
+                spans.insert(key, v.as_ref().map(|v| v.span()).unwrap_or(0..0));
             }
-            Ok(())
+            Ok::<(), SuiteError>(())
         };
         set(&mut s.max_tokens, "settings.max_tokens", &p.max_tokens, false)?;
         set(&mut s.block_size, "settings.block_size", &p.block_size, false)?;
@@ -344,28 +383,67 @@ impl Ctx<'_> {
         if let Some(b) = p.poison {
             s.poison = b;
         }
-        if let Some(n) = self.positive("settings.pool_blocks", &p.pool_blocks, false)? {
-            s.pool_blocks = Some(n);
-        }
-        if let Some(l) = &p.lengths {
-            if l.get_ref().is_empty() || l.get_ref().iter().any(|&x| x <= 0) {
-                return Err(self.err(l.span(), "settings.lengths: needs at least one length, all positive"));
-            }
-            s.lengths = Some(l.get_ref().iter().map(|&x| x as usize).collect());
-        }
         if let Some(c) = &p.concurrent {
             set(&mut s.concurrent.requests, "settings.concurrent.requests", &c.requests, false)?;
             set(&mut s.concurrent.max_batch, "settings.concurrent.max_batch", &c.max_batch, false)?;
             if let Some(a) = &c.arrivals {
-                if a.get_ref().is_empty() || a.get_ref().iter().any(|&x| x < 0) {
-                    return Err(
-                        self.err(a.span(), "settings.concurrent.arrivals: needs at least one step, none negative")
-                    );
+                if a.get_ref().is_empty() || a.get_ref().iter().any(|&x| x < 0 || x as u64 > MAX_COUNT as u64) {
+                    return Err(self.err(
+                        a.span(),
+                        format!("settings.concurrent.arrivals: needs at least one step, each from 0 to {MAX_COUNT}"),
+                    ));
                 }
                 s.concurrent.arrivals = a.get_ref().iter().map(|&x| x as usize).collect();
+                spans.insert("settings.concurrent.arrivals", a.span());
             }
         }
+        if let Some(n) = self.positive("settings.pool_blocks", &p.pool_blocks, false)? {
+            s.pool_blocks = Some(n);
+            spans.insert("settings.pool_blocks", p.pool_blocks.as_ref().map(|v| v.span()).unwrap_or(0..0));
+        }
+        if let Some(l) = &p.lengths {
+            // Each length is a prompt sent to the server: bounded like every other count.
+            if l.get_ref().is_empty() || l.get_ref().iter().any(|&x| x <= 0 || x as u64 > MAX_COUNT as u64) {
+                return Err(self.err(
+                    l.span(),
+                    format!("settings.lengths: needs at least one length, each from 1 to {MAX_COUNT}"),
+                ));
+            }
+            s.lengths = Some(l.get_ref().iter().map(|&x| x as usize).collect());
+            spans.insert("settings.lengths", l.span());
+        }
         Ok(())
+    }
+
+    /// Settings that make one of the checkpoint's scenarios test nothing (see
+    /// [`crate::coverage`]), reported at the first involved setting the suite wrote, else at
+    /// the checkpoint.
+    fn coverage(
+        &self,
+        c: &CheckpointSpec,
+        prompts: &[PromptSpec],
+        spans: &SettingSpans,
+        fallback: Range<usize>,
+    ) -> Result<(), SuiteError> {
+        // Lengths are known before any tokenizer runs when every prompt fixes its length.
+        let lengths: Option<Vec<usize>> = prompts
+            .iter()
+            .filter(|p| c.prompts.contains(&p.name))
+            .map(|p| match (&p.length, &p.source) {
+                (Some(n), _) => Some(*n),
+                (None, PromptSource::Ids(ids)) => Some(ids.len()),
+                _ => None,
+            })
+            .collect();
+        let problems =
+            crate::coverage::settings_problems(&c.settings, &c.scenarios, &c.kv_backends(), lengths.as_deref());
+        match problems.into_iter().next() {
+            None => Ok(()),
+            Some(p) => {
+                let span = p.keys.iter().find_map(|k| spans.get(k).cloned()).unwrap_or(fallback);
+                Err(self.err(span, format!("{} (checkpoint `{}`)", p.message, c.name)))
+            }
+        }
     }
 
     fn tolerance(&self, p: &Option<TolerancePatch>, t: &mut Tolerance) -> Result<(), SuiteError> {
@@ -466,9 +544,10 @@ impl Ctx<'_> {
                 if paths.get_ref().0.is_empty() {
                     return Err(self.err(paths.span(), "engine.paths: name at least one path"));
                 }
+                // A path name is part of report ids and file names: one plain component.
                 for (name, _) in &paths.get_ref().0 {
-                    if let Err(why) = check_path_name(name) {
-                        return Err(self.err(paths.span(), format!("engine.paths: `{name}`: {why}")));
+                    if let Err(why) = crate::names::check_component(name) {
+                        return Err(self.err(paths.span(), format!("engine.paths: `{name}` {why}")));
                     }
                 }
                 let names: Vec<&str> = paths.get_ref().0.iter().map(|(n, _)| n.as_str()).collect();
@@ -528,18 +607,6 @@ impl Ctx<'_> {
     }
 }
 
-/// A path name becomes part of report ids and file names: a plain word, nothing that can
-/// climb out of a directory.
-fn check_path_name(name: &str) -> Result<(), &'static str> {
-    if name.is_empty() || name.len() > 64 {
-        return Err("a path name has 1 to 64 characters");
-    }
-    if name.starts_with('.') || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-        return Err("a path name uses letters, digits, `-`, `_` and `.` (not first)");
-    }
-    Ok(())
-}
-
 /// Tolerance defaults by dtype: float32 paths match to ~1e-6 when correct and a real bug moves
 /// logits by far more than 1e-3; half precision noise is larger.
 pub fn default_tolerance(dtype: DtypeSetting) -> Tolerance {
@@ -585,9 +652,21 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
         None => scenario::ALL.to_vec(),
     };
     let mut suite_settings = Settings::default();
+    let mut suite_spans = SettingSpans::new();
     if let Some(p) = &raw.settings {
-        cx.apply(p, &mut suite_settings)?;
+        cx.apply(p, &mut suite_settings, &mut suite_spans)?;
     }
+    let name = match &raw.name {
+        Some(n) => {
+            cx.file_name("suite name", n.get_ref(), n.span())?;
+            n.get_ref().clone()
+        }
+        None => {
+            let stem = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            cx.file_name("suite name (from the file name; set `name`)", &stem, 0..0)?;
+            stem
+        }
+    };
 
     if raw.prompts.is_empty() {
         return Err(cx.err(0..0, "no [[prompts]]: a suite needs at least one prompt"));
@@ -597,6 +676,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
         let span = p.span();
         let p = p.get_ref();
         let name = p.name.get_ref().clone();
+        cx.file_name("prompt name", &name, p.name.span())?;
         if prompts.iter().any(|q| q.name == name) {
             return Err(cx.err(p.name.span(), format!("prompt `{name}` is defined twice")));
         }
@@ -624,7 +704,18 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             (None, Some(r)) => r.get_ref().clone(),
             _ => return Err(cx.err(span, "checkpoint: give exactly one of path or repo")),
         };
-        let name = c.name.clone().unwrap_or_else(|| default_name(&reference));
+        let name = match &c.name {
+            Some(n) => {
+                cx.file_name("checkpoint name", n.get_ref(), n.span())?;
+                n.get_ref().clone()
+            }
+            None => {
+                let name = default_name(&reference);
+                let at = c.path.as_ref().or(c.repo.as_ref()).map(|v| v.span()).unwrap_or(span.clone());
+                cx.file_name("checkpoint name (from its path or repo; set `name`)", &name, at)?;
+                name
+            }
+        };
         if checkpoints.iter().any(|k| k.name == name) {
             return Err(cx.err(span, format!("checkpoint name `{name}` is used twice; set `name`")));
         }
@@ -633,8 +724,9 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             None => suite_dtype,
         };
         let mut settings = suite_settings.clone();
+        let mut spans = suite_spans.clone();
         if let Some(p) = &c.settings {
-            cx.apply(p, &mut settings)?;
+            cx.apply(p, &mut settings, &mut spans)?;
         }
         let mut tolerance = default_tolerance(dtype);
         cx.tolerance(&raw.tolerance, &mut tolerance)?;
@@ -667,7 +759,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             }
             (None, None) => engine_openai::scenarios_for(&cx, &engine, suite_scenarios.clone(), None, span.clone())?,
         };
-        checkpoints.push(CheckpointSpec {
+        let spec = CheckpointSpec {
             name,
             reference,
             dtype,
@@ -678,10 +770,11 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             settings,
             tolerance,
             prompts: prompt_names,
-        });
+        };
+        cx.coverage(&spec, &prompts, &spans, span)?;
+        checkpoints.push(spec);
     }
 
-    let name = raw.name.unwrap_or_else(|| file.file_stem().and_then(|s| s.to_str()).unwrap_or("suite").to_string());
     Ok(Suite { name, file: file.to_path_buf(), prompts, checkpoints })
 }
 
@@ -721,9 +814,14 @@ pub fn expand_env(s: &str) -> Result<String, String> {
     Ok(out)
 }
 
-/// 1-based line and column of a byte offset.
+/// 1-based line and column of a byte offset. An offset inside a multi-byte character counts
+/// from that character's start (TOML error spans are not guaranteed to fall on a boundary).
 fn line_col(text: &str, offset: usize) -> (usize, usize) {
-    let before = &text[..offset.min(text.len())];
+    let mut end = offset.min(text.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let before = &text[..end];
     let line = before.matches('\n').count() + 1;
     let column = before.rsplit('\n').next().map(|l| l.chars().count()).unwrap_or(0) + 1;
     (line, column)

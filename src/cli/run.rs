@@ -350,8 +350,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
             eprintln!("note: snapshots not checked (--filter/--backend select part of a snapshot's rows)");
         }
     } else {
-        let dir = snapshot::dir(&reports_dir(&a.suite, &a.reports), &report);
-        let checked = snapshot::check(&dir, &snapshot::render(&report), mode)
+        let root = reports_dir(&a.suite, &a.reports);
+        let dir = snapshot::dir(&root, &report)?;
+        let checked = snapshot::check(&root, &dir, &snapshot::render(&report), mode)
             .with_context(|| format!("writing snapshots under {}", dir.display()))?;
         report.summary.snapshot_changes = checked.changes.iter().map(|p| p.display().to_string()).collect();
         if !checked.accepted.is_empty() {

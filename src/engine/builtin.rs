@@ -117,6 +117,10 @@ impl Session for BuiltinSession<'_> {
     fn stats(&mut self) -> Result<Option<KvStats>> {
         Ok(Some(self.kv.stats()))
     }
+
+    fn audit(&mut self) -> Result<Option<String>> {
+        Ok(self.kv.audit().err().map(|e| e.to_string()))
+    }
 }
 
 /// Greedy generation on the builtin runtime over `kv`, no faults (`parity generate`, tests).

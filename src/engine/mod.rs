@@ -94,6 +94,12 @@ pub struct PathInfo {
 }
 
 impl PathInfo {
+    /// The kind of KV store this path is, for checks that only matter to a block pool
+    /// (a block size no prompt crosses tests nothing there).
+    pub fn kv_backend(&self) -> crate::kv::Backend {
+        if self.capabilities.block_size.is_some() { crate::kv::Backend::Paged } else { crate::kv::Backend::Dense }
+    }
+
     /// Fail with a skip when `faults` asks for a fault this path cannot plant: a selftest
     /// through an engine that ignores faults would "catch" nothing and prove nothing.
     pub fn check_faults(&self, faults: Faults) -> Result<()> {
@@ -148,6 +154,11 @@ pub trait Session {
 
     /// KV memory now (peak since the session began); `None` if the path does not report it.
     fn stats(&mut self) -> Result<Option<KvStats>>;
+
+    /// The store's books, checked where a case ends: `Some(what is wrong)` when storage is held
+    /// by no live sequence or refcounts disagree with the tables. A release that forgets its
+    /// blocks gives the same tokens, so no verdict can see it; in production the pool runs dry.
+    fn audit(&mut self) -> Result<Option<String>>;
 }
 
 /// One path of an engine: it opens a fresh [`Session`] per case.

@@ -18,6 +18,7 @@ use serde::de::DeserializeOwned;
 
 use super::protocol::{
     CreateReply, Envelope, ForwardReply, HelloReply, Request, ShareReply, StatsReply, TrimReply, VERSION, WireRow,
+    WireStats,
 };
 use super::{Capabilities, EngineId, EnginePath, PathInfo, Session, ShareMode};
 use crate::dtype::DtypeName;
@@ -486,10 +487,31 @@ impl Session for ProcessSession<'_> {
     }
 
     fn stats(&mut self) -> Result<Option<KvStats>> {
+        Ok(self.wire_stats()?.map(|w| w.kv))
+    }
+
+    /// From outside an engine the books are what it reports: with no live sequence (by
+    /// parity's count and by the engine's), nothing may still be held.
+    fn audit(&mut self) -> Result<Option<String>> {
+        let Some(w) = self.wire_stats()? else { return Ok(None) };
+        if !self.seqs.is_empty() || w.sequences > 0 {
+            return Ok(None);
+        }
+        Ok((w.kv.blocks_in_use > 0 || w.kv.bytes_in_use > 0).then(|| {
+            format!(
+                "every sequence was released, yet the engine still holds {} blocks ({} bytes) of KV",
+                w.kv.blocks_in_use, w.kv.bytes_in_use
+            )
+        }))
+    }
+}
+
+impl ProcessSession<'_> {
+    fn wire_stats(&mut self) -> Result<Option<WireStats>> {
         if !self.path.info.capabilities.stats {
             return Ok(None);
         }
         let r: StatsReply = self.path.call(&Request::Stats)?;
-        Ok(Some(r.stats.kv))
+        Ok(Some(r.stats))
     }
 }

@@ -5,6 +5,7 @@
 //! kept by the backend. It is the next row to write, the visible length, and — minus the
 //! sequence's masked prefix — the RoPE offset. Nothing else stores a position.
 
+pub mod audit;
 pub mod dense;
 pub mod paged;
 
@@ -102,6 +103,14 @@ pub trait KvCache {
     fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<SeqId>>;
 
     fn stats(&self) -> KvStats;
+
+    /// Check the backend's books: every storage unit is free or owned by a live sequence, and
+    /// what it records about ownership matches what the sequences hold. A leak produces the
+    /// same tokens, so no verdict sees it; this does. Dense buffers are owned by their
+    /// sequence outright and have no books to balance.
+    fn audit(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// K/V `[1, H, n, D]` shape check shared by both backends.
@@ -166,5 +175,9 @@ impl<T> SeqMap<T> {
 
     pub(crate) fn values(&self) -> impl Iterator<Item = &T> {
         self.seqs.values()
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (SeqId, &T)> {
+        self.seqs.iter().map(|(id, v)| (*id, v))
     }
 }

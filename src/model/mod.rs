@@ -115,6 +115,9 @@ impl Model {
         };
         let lm_head =
             if tied { None } else { Some(Linear::load(w, q, "lm_head", c.hidden_size, c.vocab_size, false, &opts)?) };
+        // Every tensor problem the loaders found (missing, shape, dtype, quantized layout), at
+        // once: the one validation `inspect` shares.
+        w.finish()?;
         let rope = Rope::new(c)?;
         Ok(Model {
             config,

@@ -38,6 +38,7 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
                     notes: Vec::new(),
                     kv: None,
                     outcome: outcome.clone(),
+                    audit: None,
                 })
                 .collect()
         }

@@ -105,6 +105,7 @@ impl Scenario {
                     notes: Vec::new(),
                     kv: None,
                     outcome: Outcome::Failed(format!("`{}` runs on kind = \"openai\" only", self.name())),
+                    audit: None,
                 })
                 .collect(),
         }
@@ -222,6 +223,9 @@ pub struct CaseOutput {
     /// The KV store's memory when the case ended (absent when the path does not report it).
     pub kv: Option<KvStats>,
     pub outcome: Outcome,
+    /// The KV store's books when the case ended ([`Session::audit`]): a leak or refcount
+    /// mismatch, naming the blocks, fails the row even when every token matches.
+    pub audit: Option<String>,
 }
 
 /// What scenarios share for one checkpoint: the settings, the planted faults, and the
@@ -275,6 +279,8 @@ impl<'r> Harness<'r> {
             Error::Unsupported(why) => Error::Unsupported(why),
             e => Error::Invalid(format!("reference run failed: {e}")),
         })?;
+        // Guard (issue #14): NaN in the reference is the checkpoint's, not the pool's.
+        crate::compare::require_finite("reference logits", &trace.logits)?;
         self.references.insert(prompt.to_vec(), trace.clone());
         Ok(trace)
     }
@@ -430,6 +436,7 @@ pub fn attempt<'r>(
             paths: Vec::new(),
             notes: Vec::new(),
             kv: None,
+            audit: None,
             outcome: match e {
                 Error::Unsupported(why) => Outcome::Skipped(why),
                 e => Outcome::Failed(e.to_string()),
@@ -452,6 +459,7 @@ pub fn case(
     prompt: &Prompt,
     paths: Vec<PathTrace>,
 ) -> Result<CaseOutput> {
+    let audit = s.audit()?;
     Ok(CaseOutput {
         case: case.into(),
         prompt: prompt.clone(),
@@ -459,5 +467,6 @@ pub fn case(
         notes: Vec::new(),
         kv: s.stats()?,
         outcome: Outcome::Ran,
+        audit,
     })
 }

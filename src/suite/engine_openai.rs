@@ -3,7 +3,7 @@
 
 use toml::Spanned;
 
-use super::{Ctx, EngineSpec, RawEngine, RawPath, SuiteError, check_path_name, expand_env};
+use super::{Ctx, EngineSpec, RawEngine, RawPath, SuiteError, expand_env};
 use super::{OpenaiPath, OpenaiSpec, PromptForm, ServerSpec, openai};
 use crate::scenario::{ALL, REQUEST_LEVEL, Scenario};
 
@@ -54,7 +54,10 @@ pub(super) fn parse(cx: &Ctx, raw: &Spanned<RawEngine>) -> Result<EngineSpec, Su
     let mut paths = Vec::new();
     for (name, p) in &raw_paths.get_ref().0 {
         let here = |why: String| cx.err(raw_paths.span(), format!("engine.paths.{name}: {why}"));
-        check_path_name(name).map_err(|w| here(w.to_string()))?;
+        // A path name is part of report ids and server log names: one plain component, checked
+        // as every other name that becomes a file name is.
+        crate::names::check_component(name)
+            .map_err(|why| cx.err(raw_paths.span(), format!("engine.paths: `{}` {why}", name.escape_debug())))?;
         let (args, request) = match p {
             RawPath::Args(a) => (a.clone(), serde_json::Map::new()),
             RawPath::Table { args, request } => (args.clone(), openai::request_fields(request).map_err(here)?),

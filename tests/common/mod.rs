@@ -112,3 +112,34 @@ pub fn code(o: &std::process::Output) -> i32 {
 pub fn text(o: &std::process::Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
+
+/// Edit a checkpoint's config.json in place.
+pub fn edit_config(dir: &std::path::Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+    f(&mut v);
+    std::fs::write(&path, v.to_string()).expect("write config");
+}
+
+/// Rewrite a checkpoint's model.safetensors: `f` sees each tensor (name, dtype, shape, bytes)
+/// and returns the tensor to keep, changed or not, or `None` to drop it.
+pub fn rewrite_tensors(
+    dir: &std::path::Path,
+    mut f: impl FnMut(&str, safetensors::Dtype, Vec<usize>, Vec<u8>) -> Option<(safetensors::Dtype, Vec<usize>, Vec<u8>)>,
+) {
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).expect("read weights");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid fixture");
+    let mut kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        if let Some((d, s, b)) = f(&name, view.dtype(), view.shape().to_vec(), view.data().to_vec()) {
+            kept.push((name, d, s, b));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = kept
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("view")))
+        .collect();
+    std::fs::write(&path, safetensors::tensor::serialize(views, None).expect("serialize")).expect("write weights");
+}

@@ -151,10 +151,14 @@ impl Client<'_> {
     }
 }
 
+/// One step as the server returned it: its top-k `(token, logprob)` sorted most probable
+/// first, and the token the API presented as chosen (if it could be read).
+type Entry = (Vec<(u32, f64)>, Option<u32>);
+
 /// What the response (or the stream so far) said.
 #[derive(Default)]
 struct Accum {
-    entries: Vec<(Vec<(u32, f64)>, Option<u32>)>,
+    entries: Vec<Entry>,
     text: String,
     chunks: usize,
     prompt_tokens: Option<usize>,

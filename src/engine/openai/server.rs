@@ -154,9 +154,8 @@ impl Server {
             if let Some(why) = self.ended() {
                 return Some(why);
             }
-            if self.child.is_none() {
-                return None;
-            }
+            // A `url` server is not ours: nothing to wait for.
+            self.child.as_ref()?;
             std::thread::sleep(Duration::from_millis(50));
         }
         None
