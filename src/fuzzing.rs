@@ -42,7 +42,7 @@ pub fn suite(data: &[u8]) {
                     assert!(v <= suite::MAX_COUNT, "unbounded setting {v}");
                 }
                 assert!(st.tile.is_multiple_of(8) && st.tile > 0 && st.block_size > 0);
-                let vacuous = crate::coverage::settings_problems(st, &c.scenarios, &c.kv_backends(), None);
+                let vacuous = c.settings_problems(None);
                 assert!(vacuous.is_empty(), "accepted settings that test nothing: {vacuous:?}");
                 for &len in st.lengths.iter().flatten() {
                     assert!(len > 0 && len <= suite::MAX_COUNT, "unbounded settings.lengths {len}");

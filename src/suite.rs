@@ -175,6 +175,19 @@ impl CheckpointSpec {
             EngineSpec::Process(_) | EngineSpec::Openai(_) => Vec::new(),
         }
     }
+
+    /// What this checkpoint's settings make impossible to test ([`crate::coverage`]), by the
+    /// rules of its engine's kind: a server is driven by whole requests, the others by steps.
+    /// `lengths`: every prompt's length when the suite fixes them.
+    pub fn settings_problems(&self, lengths: Option<&[usize]>) -> Vec<crate::coverage::Problem> {
+        let (s, sc) = (&self.settings, &self.scenarios);
+        let mut out = match self.engine {
+            EngineSpec::Openai(_) => crate::coverage::request_level_problems(s, sc),
+            _ => crate::coverage::settings_problems(s, sc, &self.kv_backends(), lengths),
+        };
+        out.extend(crate::coverage::lengths_problem(s, sc));
+        out
+    }
 }
 
 impl Suite {
@@ -435,8 +448,7 @@ impl Ctx<'_> {
                 _ => None,
             })
             .collect();
-        let problems =
-            crate::coverage::settings_problems(&c.settings, &c.scenarios, &c.kv_backends(), lengths.as_deref());
+        let problems = c.settings_problems(lengths.as_deref());
         match problems.into_iter().next() {
             None => Ok(()),
             Some(p) => {
