@@ -243,3 +243,181 @@ pub fn require_finite(what: &'static str, logits: &[Array]) -> Result<()> {
         Some(step) => Err(Error::NonFinite { what, step }),
     }
 }
+
+/// What a request-level engine (kind = "openai") returns per generated token: the top-k
+/// `(token, logprob)` the server reported, sorted most probable first (ties by token id, as
+/// an argmax picks them). The greedy token is the first entry, whatever the server presented.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LogprobTrace {
+    pub tokens: Vec<u32>,
+    pub steps: Vec<Vec<(u32, f64)>>,
+}
+
+/// Where two runs' logprobs first differ at all (bitwise suites say where and by how much).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FirstDifference {
+    pub step: usize,
+    /// The token whose logprob differs, or that only one side has in its top-k.
+    pub token: u32,
+    pub reference: Option<f64>,
+    pub path: Option<f64>,
+}
+
+/// The comparison of one request with its reference, on what the API returned. The same
+/// verdicts and divergence record as [`PathComparison`]; the per-step metric is the largest
+/// |delta logprob| over the tokens both top-k lists hold.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogprobComparison {
+    pub verdict: Verdict,
+    pub first_divergence: Option<Choice>,
+    pub step_max_delta: Vec<f64>,
+    pub max_delta: f64,
+    pub first_difference: Option<FirstDifference>,
+    pub tokens: Vec<u32>,
+    pub reference_tokens: Vec<u32>,
+    /// The two sides generated different numbers of tokens (one stopped early) with every
+    /// shared step agreeing.
+    pub length_mismatch: Option<(usize, usize)>,
+}
+
+/// Largest |a - b| over the tokens both top-k lists hold at `step`, and the first token that
+/// differs at all (in value, or by being in one list only).
+fn step_delta(step: usize, r: &[(u32, f64)], a: &[(u32, f64)]) -> (f64, Option<FirstDifference>) {
+    let mut max = 0f64;
+    let mut first = None;
+    let at = |token, reference, path| Some(FirstDifference { step, token, reference, path });
+    for &(t, lr) in r {
+        match a.iter().find(|x| x.0 == t) {
+            Some(&(_, la)) => {
+                max = max.max((la - lr).abs());
+                if la.to_bits() != lr.to_bits() && first.is_none() {
+                    first = at(t, Some(lr), Some(la));
+                }
+            }
+            None if first.is_none() => first = at(t, Some(lr), None),
+            None => {}
+        }
+    }
+    if first.is_none()
+        && let Some(&(t, la)) = a.iter().find(|x| !r.iter().any(|y| y.0 == x.0))
+    {
+        first = at(t, None, Some(la));
+    }
+    (max, first)
+}
+
+/// Compare a request's logprobs with its reference's. A divergence is a near-tie when the
+/// reference's gap between the two tokens is within the shift observed at that step, both
+/// tokens are in each other's top-k, and the step's shift is within `tolerance` (a token flip
+/// caused by a large shift is a divergence). `bitwise`: any difference is reported as the
+/// first difference (the caller fails the row on it).
+pub fn compare_logprobs(reference: &LogprobTrace, path: &LogprobTrace, tolerance: f64) -> LogprobComparison {
+    let n = reference.steps.len().min(path.steps.len());
+    let mut step_max_delta = Vec::with_capacity(n);
+    let mut first_difference = None;
+    for s in 0..n {
+        let (d, first) = step_delta(s, &reference.steps[s], &path.steps[s]);
+        step_max_delta.push(d);
+        if first_difference.is_none() {
+            first_difference = first;
+        }
+    }
+    let max_delta = step_max_delta.iter().copied().fold(0f64, f64::max);
+    let first = (0..n).find(|&s| reference.tokens[s] != path.tokens[s]);
+    let first_divergence = first.map(|s| {
+        let (r, a) = (&reference.steps[s], &path.steps[s]);
+        let (r_tok, a_tok) = (reference.tokens[s], path.tokens[s]);
+        let lp = |list: &[(u32, f64)], t: u32| list.iter().find(|x| x.0 == t).map(|x| x.1);
+        let mutual_top_k = lp(r, a_tok).is_some() && lp(a, r_tok).is_some();
+        // Outside the reference's top-k, the gap is at least down to its last entry.
+        let floor = r.last().map_or(f64::NEG_INFINITY, |x| x.1);
+        let reference_gap = lp(r, r_tok).unwrap_or(0.0) - lp(r, a_tok).unwrap_or(floor);
+        let observed = step_max_delta[s];
+        let top = |list: &[(u32, f64)]| list.iter().take(TOP_K).map(|&(t, v)| (t, v as f32)).collect::<Top>();
+        Choice {
+            step: s,
+            reference_token: r_tok,
+            token: a_tok,
+            reference_top: top(r),
+            top: top(a),
+            reference_gap: reference_gap as f32,
+            observed_shift: observed as f32,
+            tie_threshold: observed as f32,
+            mutual_top_k,
+        }
+    });
+    let verdict = match &first_divergence {
+        None => Verdict::Identical,
+        Some(c) => {
+            let near = c.mutual_top_k
+                && f64::from(c.reference_gap) <= f64::from(c.tie_threshold)
+                && step_max_delta[c.step] <= tolerance;
+            if near { Verdict::NearTie } else { Verdict::Diverged }
+        }
+    };
+    let (lr, la) = (reference.tokens.len(), path.tokens.len());
+    // A path may be asked for fewer tokens than the reference (concurrent staggers lengths):
+    // only stopping short of what it was asked for is a mismatch, which the caller knows.
+    let length_mismatch = (first_divergence.is_none() && lr != la).then_some((lr, la));
+    LogprobComparison {
+        verdict,
+        first_divergence,
+        step_max_delta,
+        max_delta,
+        first_difference,
+        tokens: path.tokens.clone(),
+        reference_tokens: reference.tokens[..n.min(lr)].to_vec(),
+        length_mismatch,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace(steps: &[&[(u32, f64)]]) -> LogprobTrace {
+        LogprobTrace {
+            tokens: steps.iter().map(|s| s[0].0).collect(),
+            steps: steps.iter().map(|s| s.to_vec()).collect(),
+        }
+    }
+
+    #[test]
+    fn identical_logprobs_are_identical_with_no_difference() {
+        let r = trace(&[&[(5, -0.1), (7, -2.5)], &[(9, -0.01), (5, -5.0)]]);
+        let c = compare_logprobs(&r, &r.clone(), 1e-3);
+        assert_eq!((c.verdict, c.max_delta, c.first_difference), (Verdict::Identical, 0.0, None));
+    }
+
+    #[test]
+    fn a_flip_within_the_observed_shift_is_a_near_tie_and_a_large_one_diverges() {
+        let r = trace(&[&[(5, -0.69), (7, -0.70)]]);
+        let a = trace(&[&[(7, -0.6895), (5, -0.6905)]]);
+        let c = compare_logprobs(&r, &a, 2e-2);
+        let d = c.first_divergence.as_ref().expect("divergence");
+        assert_eq!((d.step, d.reference_token, d.token), (0, 5, 7));
+        assert!((f64::from(d.reference_gap) - 0.01).abs() < 1e-6);
+        assert_eq!(c.verdict, Verdict::NearTie, "gap 0.01 <= shift 0.0105");
+        let a = trace(&[&[(7, -0.1), (5, -3.0)]]);
+        assert_eq!(compare_logprobs(&r, &a, 1e-2).verdict, Verdict::Diverged);
+        // Not in the reference's top-k: never a near-tie.
+        let a = trace(&[&[(8, -0.68), (5, -0.69)]]);
+        let c = compare_logprobs(&r, &a, 10.0);
+        assert!(!c.first_divergence.as_ref().expect("div").mutual_top_k);
+        assert_eq!(c.verdict, Verdict::Diverged);
+    }
+
+    #[test]
+    fn the_first_difference_is_found_in_values_and_in_membership() {
+        let r = trace(&[&[(5, -0.1), (7, -2.5)], &[(9, -0.01), (5, -5.0)]]);
+        let a = trace(&[&[(5, -0.1), (7, -2.5)], &[(9, -0.01), (5, -5.000001)]]);
+        let c = compare_logprobs(&r, &a, 1e-3);
+        assert_eq!(c.verdict, Verdict::Identical);
+        let d = c.first_difference.expect("difference");
+        assert_eq!((d.step, d.token), (1, 5));
+        assert!((c.max_delta - 1e-6).abs() < 1e-9);
+        let a = trace(&[&[(5, -0.1), (8, -2.5)], &[(9, -0.01), (5, -5.0)]]);
+        let d = compare_logprobs(&r, &a, 1e-3).first_difference.expect("membership");
+        assert_eq!((d.step, d.token, d.path), (0, 7, None));
+    }
+}

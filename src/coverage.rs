@@ -78,15 +78,8 @@ pub fn settings_problems(
     }
     if has(Scenario::Concurrent) && m >= 2 && concurrent_peak_batch(s) < 2 {
         let c = &s.concurrent;
-        let keys: &[&'static str] = if c.max_batch < 2 {
-            &["settings.concurrent.max_batch"]
-        } else if c.requests < 2 {
-            &["settings.concurrent.requests"]
-        } else {
-            &["settings.concurrent.arrivals", "settings.max_tokens"]
-        };
         out.push(problem(
-            keys,
+            concurrent_keys(c, false),
             format!(
                 "settings.concurrent (requests {}, arrivals {:?}, max_batch {}) with max_tokens = {m}: no two \
                  requests are ever decoded together, so `concurrent` tests no batching",
@@ -140,6 +133,58 @@ pub fn settings_problems(
         }
     }
     out
+}
+
+/// The settings to blame when no two `concurrent` requests overlap, most specific first. A
+/// server (`server`) admits what it is sent, so `max_batch` is not one of them there.
+fn concurrent_keys(c: &scenario::ConcurrentSettings, server: bool) -> &'static [&'static str] {
+    if !server && c.max_batch < 2 {
+        &["settings.concurrent.max_batch"]
+    } else if c.requests < 2 {
+        &["settings.concurrent.requests"]
+    } else {
+        &["settings.concurrent.arrivals", "settings.max_tokens"]
+    }
+}
+
+/// [`settings_problems`] for a request-level engine (kind = "openai"). The server schedules
+/// its own batches and keeps its own cache, so the step-level rules (decode steps of parity's
+/// batch, `max_batch`, rollback, prefix while running, blocks of parity's pool) say nothing
+/// about it; what remains is what the request-level scenarios read.
+pub fn request_level_problems(s: &Settings, scenarios: &[Scenario]) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let c = &s.concurrent;
+    // The server, not `max_batch`, decides what runs together: replay the schedule with every
+    // request admitted, as the requests are sent.
+    let sent =
+        Settings { concurrent: scenario::ConcurrentSettings { max_batch: c.requests, ..c.clone() }, ..s.clone() };
+    if scenarios.contains(&Scenario::Concurrent) && (c.requests < 2 || concurrent_peak_batch(&sent) < 2) {
+        out.push(problem(
+            concurrent_keys(c, true),
+            format!(
+                "settings.concurrent (requests {}, arrivals {:?}) with max_tokens = {}: no request arrives while \
+                 another is being answered, so `concurrent` tests no concurrency",
+                c.requests, c.arrivals, s.max_tokens
+            ),
+        ));
+    }
+    if let Some(p) = s.pool_blocks {
+        out.push(problem(
+            &["settings.pool_blocks"],
+            format!("settings.pool_blocks = {p} has no effect: a server keeps its own KV cache"),
+        ));
+    }
+    out
+}
+
+/// `settings.lengths` is read by the request-level `lengths` scenario alone.
+pub fn lengths_problem(s: &Settings, scenarios: &[Scenario]) -> Option<Problem> {
+    (s.lengths.is_some() && !scenarios.contains(&Scenario::Lengths)).then(|| {
+        problem(
+            &["settings.lengths"],
+            "settings.lengths has no effect: no `lengths` scenario runs (kind = \"openai\" only)".into(),
+        )
+    })
 }
 
 /// Most KV rows one sequence of scenario `sc` writes for an `n`-token prompt.

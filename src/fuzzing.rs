@@ -42,10 +42,26 @@ pub fn suite(data: &[u8]) {
                     assert!(v <= suite::MAX_COUNT, "unbounded setting {v}");
                 }
                 assert!(st.tile.is_multiple_of(8) && st.tile > 0 && st.block_size > 0);
-                let vacuous = crate::coverage::settings_problems(st, &c.scenarios, &c.kv_backends(), None);
+                let vacuous = c.settings_problems(None);
                 assert!(vacuous.is_empty(), "accepted settings that test nothing: {vacuous:?}");
+                for &len in st.lengths.iter().flatten() {
+                    assert!(len > 0 && len <= suite::MAX_COUNT, "unbounded settings.lengths {len}");
+                }
+                openai_engine(&c.engine);
             }
         }
+    }
+}
+
+/// What an accepted kind = "openai" engine must hold: path names that are safe file-name
+/// components (they name server logs and report ids) and a server parity may contact.
+fn openai_engine(engine: &suite::EngineSpec) {
+    let suite::EngineSpec::Openai(o) = engine else { return };
+    for p in &o.paths {
+        assert!(crate::names::check_component(&p.name).is_ok(), "unsafe path name {:?}", p.name);
+    }
+    if let crate::engine::openai::spec::ServerSpec::Url(u) = &o.server {
+        assert!(crate::engine::openai::spec::loopback_url(u).is_ok(), "a server off loopback: {u}");
     }
 }
 

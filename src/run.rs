@@ -29,6 +29,8 @@ pub struct RunOptions {
     /// An absent checkpoint is an error row instead of a skipped one.
     pub require_models: bool,
     pub faults: Faults,
+    /// Where servers under test (kind = "openai") write their logs; none: not kept.
+    pub server_logs: Option<std::path::PathBuf>,
 }
 
 /// Progress callbacks; the CLI draws bars, tests pass [`NoProgress`].
@@ -70,11 +72,16 @@ impl Filter<'_> {
     }
 }
 
+/// `--filter` on a row an engine built itself (kind = "openai" plans its own units).
+pub(crate) fn selected(opts: &RunOptions, row: &Row) -> bool {
+    Filter(opts.filter.as_deref()).selects_row(row)
+}
+
 /// A (scenario, path) pair of one checkpoint: the unit of work (shards split by scenario).
-struct Unit {
-    scenario: Scenario,
-    path: String,
-    prompts: Vec<usize>,
+pub(crate) struct Unit {
+    pub scenario: Scenario,
+    pub path: String,
+    pub prompts: Vec<usize>,
 }
 
 pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> Report {
@@ -162,6 +169,8 @@ fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> Checkpo
         dequantized: spec.dequantize,
         settings: spec.settings.clone(),
         max_rel_rms_tolerance: spec.tolerance.max_rel_rms,
+        max_logprob_delta_tolerance: None,
+        bitwise: false,
         allowed_verdicts: spec.tolerance.allow.clone(),
         phases: Vec::new(),
         noise_floor: BTreeMap::new(),
@@ -172,7 +181,7 @@ fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> Checkpo
 }
 
 /// Rows for units that could not run at all (checkpoint absent or broken).
-fn blanket_rows<'u>(
+pub(crate) fn blanket_rows<'u>(
     suite: &Suite,
     spec: &CheckpointSpec,
     units: impl IntoIterator<Item = &'u Unit>,
@@ -194,7 +203,14 @@ fn blanket_rows<'u>(
     rows
 }
 
-fn empty_row(spec: &CheckpointSpec, prompt: &str, scenario: Scenario, case: &str, path: &str, verdict: Verdict) -> Row {
+pub(crate) fn empty_row(
+    spec: &CheckpointSpec,
+    prompt: &str,
+    scenario: Scenario,
+    case: &str,
+    path: &str,
+    verdict: Verdict,
+) -> Row {
     Row {
         checkpoint: spec.name.clone(),
         prompt: prompt.to_string(),
@@ -217,6 +233,7 @@ fn empty_row(spec: &CheckpointSpec, prompt: &str, scenario: Scenario, case: &str
         paths: 0,
         notes: Vec::new(),
         kv: None,
+        api: None,
     }
 }
 
@@ -256,6 +273,13 @@ fn run_checkpoint(
             return (report, blanket_rows(suite, spec, units, opts, Verdict::Error, &why));
         }
     };
+    // A server cannot be stepped: it runs the request-level scenarios on its own.
+    if let crate::suite::EngineSpec::Openai(o) = &spec.engine {
+        let ctx =
+            engine::openai::Checkpoint { suite, spec, openai: o, dir: &dir, tokenizer: &tokenizer, config: &config };
+        let rows = engine::openai::run_checkpoint(&ctx, units, opts, progress, &mut report);
+        return (report, rows);
+    }
 
     // Prompts, encoded once. A prompt that cannot be encoded fails its own rows only.
     let mut prompts: BTreeMap<usize, std::result::Result<Prompt, String>> = BTreeMap::new();
@@ -456,7 +480,13 @@ fn floor_for(h: &mut Harness, floors: &mut BTreeMap<String, Option<f32>>, prompt
 
 /// Encode a suite prompt for this checkpoint, apply `length`, and check it fits the context
 /// with the tokens to generate.
-fn encode(p: &PromptSpec, tok: &Tokenizer, config: &ModelConfig, vocab: usize, max_tokens: usize) -> Result<Prompt> {
+pub(crate) fn encode(
+    p: &PromptSpec,
+    tok: &Tokenizer,
+    config: &ModelConfig,
+    vocab: usize,
+    max_tokens: usize,
+) -> Result<Prompt> {
     let mut ids = match &p.source {
         PromptSource::Text(t) => tok.encode_raw(t)?,
         PromptSource::Chat(t) => tok.encode_chat(t)?,

@@ -17,8 +17,11 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use toml::Spanned;
 
+mod engine_openai;
+
 use crate::compare::Verdict;
 use crate::dtype::DtypeSetting;
+use crate::engine::openai::spec::{self as openai, OpenaiPath, OpenaiSpec, PromptForm, ServerSpec};
 use crate::kv::Backend;
 use crate::scenario::{self, Scenario, Settings};
 
@@ -29,6 +32,9 @@ pub enum EngineSpec {
     Builtin,
     /// An adapter process per path, speaking the step protocol (docs/step-protocol.md).
     Process(ProcessSpec),
+    /// An OpenAI-compatible HTTP server per path, driven at request level
+    /// (`engine::openai`).
+    Openai(OpenaiSpec),
 }
 
 impl EngineSpec {
@@ -37,6 +43,7 @@ impl EngineSpec {
         match self {
             EngineSpec::Builtin => vec![Backend::Dense.name().into(), Backend::Paged.name().into()],
             EngineSpec::Process(p) => p.paths.iter().map(|(n, _)| n.clone()).collect(),
+            EngineSpec::Openai(o) => o.paths.iter().map(|p| p.name.clone()).collect(),
         }
     }
 
@@ -44,6 +51,7 @@ impl EngineSpec {
         match self {
             EngineSpec::Builtin => ReferenceSpec::Builtin(Backend::Dense),
             EngineSpec::Process(p) => p.reference.clone(),
+            EngineSpec::Openai(o) => ReferenceSpec::Path(o.reference.clone()),
         }
     }
 
@@ -125,6 +133,10 @@ pub struct Tolerance {
     /// Largest per-step relative logit RMS a row may show.
     pub max_rel_rms: f32,
     pub allow: Vec<Verdict>,
+    /// kind = "openai": largest |delta logprob| over the top-k tokens both sides returned.
+    pub max_logprob_delta: f32,
+    /// kind = "openai": any logprob difference at all fails (engines claiming batch invariance).
+    pub bitwise: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -159,8 +171,22 @@ impl CheckpointSpec {
     pub fn kv_backends(&self) -> Vec<Backend> {
         match self.engine {
             EngineSpec::Builtin => self.paths.iter().filter_map(|p| p.parse().ok()).collect(),
-            EngineSpec::Process(_) => Vec::new(),
+            // Neither owns one of parity's KV pools: the engine keeps its cache to itself.
+            EngineSpec::Process(_) | EngineSpec::Openai(_) => Vec::new(),
         }
+    }
+
+    /// What this checkpoint's settings make impossible to test ([`crate::coverage`]), by the
+    /// rules of its engine's kind: a server is driven by whole requests, the others by steps.
+    /// `lengths`: every prompt's length when the suite fixes them.
+    pub fn settings_problems(&self, lengths: Option<&[usize]>) -> Vec<crate::coverage::Problem> {
+        let (s, sc) = (&self.settings, &self.scenarios);
+        let mut out = match self.engine {
+            EngineSpec::Openai(_) => crate::coverage::request_level_problems(s, sc),
+            _ => crate::coverage::settings_problems(s, sc, &self.kv_backends(), lengths),
+        };
+        out.extend(crate::coverage::lengths_problem(s, sc));
+        out
     }
 }
 
@@ -227,10 +253,33 @@ struct RawEngine {
     reference: Option<Spanned<String>>,
     timeout: Option<Spanned<f64>>,
     start_timeout: Option<Spanned<f64>>,
+    // kind = "openai" only:
+    name: Option<String>,
+    url: Option<Spanned<String>>,
+    model: Option<Spanned<String>>,
+    ready: Option<Spanned<String>>,
+    top_logprobs: Option<Spanned<i64>>,
+    stream_logprobs: Option<bool>,
+    prompt: Option<Spanned<String>>,
+    request: Option<Spanned<toml::Table>>,
+}
+
+/// One `[engine.paths]` entry: extra arguments, or (kind = "openai") a table with the
+/// arguments and the request fields of that path.
+#[derive(Deserialize, Clone)]
+#[serde(untagged, deny_unknown_fields)]
+enum RawPath {
+    Args(Vec<String>),
+    Table {
+        #[serde(default)]
+        args: Vec<String>,
+        #[serde(default)]
+        request: toml::Table,
+    },
 }
 
 /// `[engine.paths]` in the order written (it decides the order paths run and are reported).
-struct OrderedPaths(Vec<(String, Vec<String>)>);
+struct OrderedPaths(Vec<(String, RawPath)>);
 
 impl<'de> Deserialize<'de> for OrderedPaths {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -242,7 +291,7 @@ impl<'de> Deserialize<'de> for OrderedPaths {
             }
             fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<OrderedPaths, A::Error> {
                 let mut out = Vec::new();
-                while let Some((k, v)) = map.next_entry::<String, Vec<String>>()? {
+                while let Some((k, v)) = map.next_entry::<String, RawPath>()? {
                     out.push((k, v));
                 }
                 Ok(OrderedPaths(out))
@@ -264,6 +313,7 @@ struct SettingsPatch {
     rollback_every: Option<Spanned<i64>>,
     poison: Option<bool>,
     pool_blocks: Option<Spanned<i64>>,
+    lengths: Option<Spanned<Vec<i64>>>,
     concurrent: Option<ConcurrentPatch>,
 }
 
@@ -281,6 +331,8 @@ struct TolerancePatch {
     max_rel_rms: Option<Spanned<f64>>,
     /// Demand identical tokens: a near-tie fails.
     strict: Option<bool>,
+    max_logprob_delta: Option<Spanned<f64>>,
+    bitwise: Option<bool>,
 }
 
 struct Ctx<'a> {
@@ -362,6 +414,17 @@ impl Ctx<'_> {
             s.pool_blocks = Some(n);
             spans.insert("settings.pool_blocks", p.pool_blocks.as_ref().map(|v| v.span()).unwrap_or(0..0));
         }
+        if let Some(l) = &p.lengths {
+            // Each length is a prompt sent to the server: bounded like every other count.
+            if l.get_ref().is_empty() || l.get_ref().iter().any(|&x| x <= 0 || x as u64 > MAX_COUNT as u64) {
+                return Err(self.err(
+                    l.span(),
+                    format!("settings.lengths: needs at least one length, each from 1 to {MAX_COUNT}"),
+                ));
+            }
+            s.lengths = Some(l.get_ref().iter().map(|&x| x as usize).collect());
+            spans.insert("settings.lengths", l.span());
+        }
         Ok(())
     }
 
@@ -385,8 +448,7 @@ impl Ctx<'_> {
                 _ => None,
             })
             .collect();
-        let problems =
-            crate::coverage::settings_problems(&c.settings, &c.scenarios, &c.kv_backends(), lengths.as_deref());
+        let problems = c.settings_problems(lengths.as_deref());
         match problems.into_iter().next() {
             None => Ok(()),
             Some(p) => {
@@ -405,6 +467,18 @@ impl Ctx<'_> {
             }
             t.max_rel_rms = x as f32;
         }
+        if let Some(v) = &p.max_logprob_delta {
+            let x = *v.get_ref();
+            if !(x.is_finite() && x >= 0.0) {
+                return Err(
+                    self.err(v.span(), format!("tolerance.max_logprob_delta: {x} must be a non-negative number"))
+                );
+            }
+            t.max_logprob_delta = x as f32;
+        }
+        if let Some(b) = p.bitwise {
+            t.bitwise = b;
+        }
         if let Some(strict) = p.strict {
             t.allow = if strict { vec![Verdict::Identical] } else { vec![Verdict::Identical, Verdict::NearTie] };
         }
@@ -419,7 +493,7 @@ impl Ctx<'_> {
         list.iter()
             .map(|s| {
                 Scenario::parse(s.get_ref()).ok_or_else(|| {
-                    let known: Vec<&str> = scenario::ALL.iter().map(|s| s.name()).collect();
+                    let known = Scenario::known_names();
                     self.err(s.span(), format!("unknown scenario `{}`; known: {}", s.get_ref(), known.join(", ")))
                 })
             })
@@ -448,7 +522,14 @@ impl Ctx<'_> {
         let only_process = |what: &str, span: std::ops::Range<usize>| {
             self.err(span, format!("engine.{what} is only for kind = \"process\""))
         };
-        match e.kind.get_ref().as_str() {
+        let kind = e.kind.get_ref().as_str();
+        if kind != "openai"
+            && let Some((key, span)) = engine_openai::openai_only_key(raw)
+        {
+            return Err(self.err(span, format!("engine.{key} is only for kind = \"openai\"")));
+        }
+        match kind {
+            "openai" => engine_openai::parse(self, raw),
             "builtin" => {
                 if let Some(c) = &e.command {
                     return Err(only_process("command", c.span()));
@@ -482,6 +563,18 @@ impl Ctx<'_> {
                     }
                 }
                 let names: Vec<&str> = paths.get_ref().0.iter().map(|(n, _)| n.as_str()).collect();
+                let mut args = Vec::new();
+                for (name, p) in &paths.get_ref().0 {
+                    match p {
+                        RawPath::Args(a) => args.push((name.clone(), a.clone())),
+                        RawPath::Table { .. } => {
+                            return Err(self.err(
+                                paths.span(),
+                                format!("engine.paths.{name}: kind = \"process\" takes a list of extra arguments"),
+                            ));
+                        }
+                    }
+                }
                 let reference = match &e.reference {
                     None => ReferenceSpec::Path(names[0].to_string()),
                     Some(r) => match r.get_ref().strip_prefix("builtin:") {
@@ -503,16 +596,16 @@ impl Ctx<'_> {
                 };
                 Ok(EngineSpec::Process(ProcessSpec {
                     command: command.get_ref().clone(),
-                    paths: paths.get_ref().0.clone(),
+                    paths: args,
                     reference,
                     timeout: self.seconds("engine.timeout", &e.timeout, 120.0)?,
                     start_timeout: self.seconds("engine.start_timeout", &e.start_timeout, 300.0)?,
                 }))
             }
-            other => {
-                Err(self
-                    .err(e.kind.span(), format!("engine.kind: unknown kind `{other}`; expected builtin or process")))
-            }
+            other => Err(self.err(
+                e.kind.span(),
+                format!("engine.kind: unknown kind `{other}`; expected builtin, process or openai"),
+            )),
         }
     }
 
@@ -533,7 +626,15 @@ pub fn default_tolerance(dtype: DtypeSetting) -> Tolerance {
         DtypeSetting::Float32 => 1e-3,
         _ => 2e-2,
     };
-    Tolerance { max_rel_rms, allow: vec![Verdict::Identical, Verdict::NearTie] }
+    // Logprobs as servers return them: a logit of magnitude ~20 has a spacing of 2e-6 in
+    // float32 (reduction-order noise stays well under 1e-3), 2^-6 in float16 and 2^-3 in
+    // bfloat16 (two such steps allowed).
+    let max_logprob_delta = match dtype {
+        DtypeSetting::Float32 => 1e-3,
+        DtypeSetting::Float16 => 5e-2,
+        _ => 0.25,
+    };
+    Tolerance { max_rel_rms, allow: vec![Verdict::Identical, Verdict::NearTie], max_logprob_delta, bitwise: false }
 }
 
 pub fn load(file: &Path) -> Result<Suite, SuiteError> {
@@ -663,6 +764,13 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             Some(b) => cx.paths(b, &engine)?,
             None => engine.path_names(),
         };
+        let scenarios = match (&c.scenarios, &raw.scenarios) {
+            (Some(s), _) => engine_openai::scenarios_for(&cx, &engine, cx.scenarios(s)?, Some(s), span.clone())?,
+            (None, Some(s)) => {
+                engine_openai::scenarios_for(&cx, &engine, suite_scenarios.clone(), Some(s), span.clone())?
+            }
+            (None, None) => engine_openai::scenarios_for(&cx, &engine, suite_scenarios.clone(), None, span.clone())?,
+        };
         let spec = CheckpointSpec {
             name,
             reference,
@@ -670,10 +778,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             dequantize: c.dequantize.or(raw.dequantize).unwrap_or(false),
             engine,
             paths,
-            scenarios: match &c.scenarios {
-                Some(s) => cx.scenarios(s)?,
-                None => suite_scenarios.clone(),
-            },
+            scenarios,
             settings,
             tolerance,
             prompts: prompt_names,

@@ -59,30 +59,6 @@ fn run(file: &Path, opts: &RunOptions) -> Report {
     run_suite(&suite, opts, &NoProgress)
 }
 
-/// The processes whose command line carries `tag` (leftover adapters of one test).
-fn processes_tagged(tag: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        let zombie = stat.rsplit(')').next().is_some_and(|s| s.trim_start().starts_with('Z'));
-        if cmdline.contains(tag) && !zombie {
-            out.push(cmdline);
-        }
-    }
-    out
-}
-
-fn assert_no_leftovers(tag: &str) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !processes_tagged(tag).is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let left = processes_tagged(tag);
-    assert!(left.is_empty(), "adapter processes outlived the run: {left:?}");
-}
-
 /// Rows as comparable JSON: everything a row says, with the keys in a fixed order.
 fn rows_json(r: &Report) -> Vec<serde_json::Value> {
     r.rows.iter().map(|row| serde_json::to_value(row).expect("row json")).collect()
@@ -137,7 +113,7 @@ fn contained(mode: &str, n: &str, timeout: f64, expect: &str) -> Report {
     let first = paged[0].failure.clone().unwrap_or_default();
     assert!(first.contains(expect), "{mode}: expected `{expect}` in the failure, got: {first}");
     assert!(first.contains("path `paged`"), "{mode}: names the path: {first}");
-    assert_no_leftovers(&tag);
+    common::assert_no_leftovers(&tag);
     report
 }
 
@@ -196,7 +172,7 @@ fn an_adapter_that_claims_a_trim_it_did_not_do_diverges_where_trims_happen() {
         assert_eq!(r.verdict, Verdict::Diverged, "{} {}: {:?}", r.prompt, r.case, r.failure);
         assert!(!r.pass);
     }
-    assert_no_leftovers(&tag);
+    common::assert_no_leftovers(&tag);
 }
 
 /// Guards "children outlive a parity killed without unwinding": SIGKILL runs no destructor

@@ -43,6 +43,7 @@ fn row(checkpoint: &str, scenario: &str, case: &str, backend: &str, verdict: Ver
         paths: usize::from(ran),
         notes: vec![],
         kv: None,
+        api: None,
     }
 }
 
@@ -83,6 +84,8 @@ fn checkpoint(name: &str, reference: &str, status: CheckpointStatus) -> Checkpoi
         dequantized: false,
         settings: Settings { block_size: 16, ..Settings::default() },
         max_rel_rms_tolerance: 1e-2,
+        max_logprob_delta_tolerance: None,
+        bitwise: false,
         allowed_verdicts: vec![Verdict::Identical, Verdict::NearTie],
         phases: if ran {
             vec![

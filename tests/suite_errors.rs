@@ -163,6 +163,40 @@ fn a_suite_file_whose_stem_is_not_a_file_name_needs_a_name() {
     assert!(suite::parse(Path::new("suites/ok-name.toml"), &text).is_ok());
 }
 
+/// kind = "openai": a path name names server logs and report ids, so it is one plain file-name
+/// component like every other name; `settings.lengths` are prompt sizes, bounded like counts.
+#[test]
+fn openai_path_names_and_lengths_are_checked() {
+    let openai = |paths: &str| {
+        GOOD.replace(
+            "name = \"t\"",
+            &format!(
+                "name = \"t\"\n[engine]\nkind = \"openai\"\ncommand = [\"srv\", \"{{port}}\"]\n[engine.paths]\n{paths}"
+            ),
+        )
+    };
+    assert!(suite::parse(Path::new("suites/x.toml"), &openai("a = []\nb = []")).is_ok());
+    // Lines: 2 name, 3 [engine], 4 kind, 5 command, 6 [engine.paths].
+    assert_at(&openai("\"../up\" = []"), 6, "`../up` contains '/'");
+    assert_at(&openai("\".hidden\" = []"), 6, "starts with `.`");
+    let lengths = |l: &str| openai("a = []").replace("tile = 16", &format!("tile = 16\nlengths = {l}"));
+    assert!(suite::parse(Path::new("suites/x.toml"), &lengths("[15, 16]")).is_ok());
+    assert_at(&lengths("[0]"), 10, "each from 1 to");
+    assert_at(&lengths("[99999999999]"), 10, "each from 1 to");
+    // Vacuous settings by a server's rules: `lengths` that no scenario reads, a concurrent
+    // schedule with one request, parity's pool budget. The step-level rules do not apply:
+    // `prefix` with 3 tokens tests a server's prompt cache (no while-running case here).
+    let with = |settings: &str, scenarios: &str| {
+        openai("a = []")
+            .replace("tile = 16", &format!("tile = 16\n{settings}"))
+            .replace("name = \"t\"\n", &format!("name = \"t\"\nscenarios = [{scenarios}]\n"))
+    };
+    assert_at(&with("lengths = [15]", "\"single\""), 11, "settings.lengths has no effect");
+    assert_at(&with("concurrent = { requests = 1 }", "\"concurrent\""), 11, "tests no concurrency");
+    assert_at(&with("pool_blocks = 8", "\"single\""), 11, "a server keeps its own KV cache");
+    assert!(suite::parse(Path::new("suites/x.toml"), &with("max_tokens = 3", "\"prefix\"")).is_ok());
+}
+
 #[test]
 fn sizes_have_an_upper_bound() {
     assert_at(&GOOD.replace("tile = 16", "tile = 16\nmax_tokens = 1000000000000"), 5, "larger than the limit");
@@ -241,4 +275,23 @@ fn known_prompt_lengths_catch_chunk_and_block_sizes_that_no_prompt_crosses() {
     let big = fixed.replace("tile = 16", "tile = 16\nblock_size = 64");
     assert_at(&big, 5, "settings.block_size = 64: no sequence crosses a block boundary (the longest writes 39 rows)");
     assert!(suite::parse(Path::new("suites/x.toml"), &fixed).is_ok());
+}
+
+/// Every shipped suite parses under the current rules (names, bounds, vacuous settings by its
+/// engine's kind): a rule added later cannot silently break a suite nobody re-ran.
+#[test]
+fn every_shipped_suite_parses() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("suites");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).expect("suites/") {
+        let path = entry.expect("entry").path();
+        let name = path.file_name().and_then(|f| f.to_str()).unwrap_or_default();
+        // Scratch suites the tests write (`.test-*.toml`) are not shipped.
+        if name.starts_with('.') || path.extension().is_none_or(|e| e != "toml") {
+            continue;
+        }
+        suite::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        n += 1;
+    }
+    assert!(n >= 6, "only {n} suites found in {}", dir.display());
 }

@@ -125,6 +125,13 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer { file: self.file.clone(), message: format!("decode failed: {e}") })
     }
 
+    /// As a server prints generated text: special tokens (`<|im_start|>`) left out.
+    pub fn decode_without_special(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| Error::Tokenizer { file: self.file.clone(), message: format!("decode failed: {e}") })
+    }
+
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }

@@ -336,6 +336,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
             opts.faults.list().iter().map(|f| f.name()).collect::<Vec<_>>().join(", ")
         ));
     }
+    // Servers under test log beside the suite's snapshots (kind = "openai").
+    opts.server_logs = Some(reports_dir(&a.suite, &a.reports).join(&suite.name).join("logs"));
     let mut report = run_suite(&suite, &opts, &Bars::new(&suite, color, Some(human)));
     if report.rows.is_empty() {
         eprintln!("error: {}", crate::run::nothing_selected(&suite, &opts));

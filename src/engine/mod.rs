@@ -8,6 +8,7 @@
 
 pub mod adapter;
 pub mod builtin;
+pub mod openai;
 pub mod process;
 pub mod protocol;
 
@@ -52,7 +53,7 @@ pub fn rows(logits: &Array) -> Result<Vec<Array>> {
 /// Which engine served a path, as reports record it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EngineId {
-    /// `builtin` or `process`.
+    /// `builtin`, `process` or `openai`.
     pub kind: String,
     pub name: String,
     pub version: String,
@@ -250,5 +251,11 @@ pub fn open<'m>(
             let places = process::Places { model: dir, suite_dir, dtype };
             Ok(Box::new(process::ProcessPath::start(p, &n, &places, settings)?))
         }
+        // run.rs sends openai checkpoints to `openai::run_checkpoint` before opening paths.
+        (EngineSpec::Openai(o), ReferenceSpec::Path(n)) => Err(crate::Error::Engine {
+            engine: o.name.clone(),
+            path: n,
+            message: "an OpenAI-compatible server cannot be stepped; it runs request-level scenarios".into(),
+        }),
     }
 }

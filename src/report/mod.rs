@@ -78,6 +78,11 @@ pub struct CheckpointReport {
     pub dequantized: bool,
     pub settings: crate::scenario::Settings,
     pub max_rel_rms_tolerance: f32,
+    /// kind = "openai": the logprob tolerance, and whether any difference fails.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_logprob_delta_tolerance: Option<f32>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bitwise: bool,
     pub allowed_verdicts: Vec<Verdict>,
     /// Wall time per phase (load, references, each scenario), seconds.
     pub phases: Vec<Phase>,
@@ -131,6 +136,37 @@ pub struct Row {
     /// KV memory of the case's store at its end (peak included); absent when it did not run.
     #[serde(default)]
     pub kv: Option<crate::kv::KvStats>,
+    /// kind = "openai": what the API returned, compared on logprobs (absent for step engines).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api: Option<ApiFacts>,
+}
+
+/// A request-level row's measurements (kind = "openai").
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ApiFacts {
+    /// Largest |delta logprob| over the top-k tokens both sides returned, over the row's
+    /// requests and steps.
+    pub max_logprob_delta: f64,
+    /// Per step, worst over the row's requests.
+    pub step_logprob_delta: Vec<f64>,
+    /// The first logprob that differs at all (reported always; fails a `bitwise` suite).
+    pub first_difference: Option<crate::compare::FirstDifference>,
+    /// The prompt's length in parity's tokenization, and as the server counted it
+    /// (`usage.prompt_tokens`); they differ when the server tokenized the text otherwise.
+    pub prompt_tokens: usize,
+    pub server_prompt_tokens: Option<usize>,
+    /// Prompt tokens the server said it served from its cache (`prompt_tokens_details`).
+    pub cached_tokens: Option<usize>,
+    pub finish_reason: Option<String>,
+    /// Steps where the token the server presented as chosen is not the most probable of its
+    /// own top_logprobs (mlx_lm.server 0.32.2 presents an arbitrary entry).
+    pub presented_not_top1: usize,
+    /// The server's returned text is not the decoding of its own most probable tokens.
+    pub text_contradiction: Option<String>,
+    /// Seconds from sending the request to its last byte, and parity's own time on it
+    /// (encoding, parsing, comparing).
+    pub seconds: f64,
+    pub parity_seconds: f64,
 }
 
 impl Row {

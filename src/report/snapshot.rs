@@ -119,14 +119,15 @@ pub fn render(report: &Report) -> BTreeMap<String, String> {
         );
         let _ = writeln!(s, "rows:");
         for r in rows {
-            row(&mut s, r, c.max_rel_rms_tolerance);
+            row(&mut s, r, c);
         }
         out.insert(file_stem(&checkpoint, &scenario), s);
     }
     out
 }
 
-fn row(s: &mut String, r: &Row, tolerance: f32) {
+fn row(s: &mut String, r: &Row, c: &super::CheckpointReport) {
+    let tolerance = c.max_rel_rms_tolerance;
     let _ = writeln!(s, "  - prompt: {}", yaml_str(&r.prompt));
     let _ = writeln!(s, "    case: {}", yaml_str(&r.case));
     let _ = writeln!(s, "    backend: {}", r.backend);
@@ -136,6 +137,11 @@ fn row(s: &mut String, r: &Row, tolerance: f32) {
         let _ = writeln!(s, "    max_rel_rms: nan");
     } else if let Some(x) = r.max_rel_rms {
         let _ = writeln!(s, "    max_rel_rms: {}", bucket(x, tolerance));
+    }
+    if let (Some(api), Some(tol)) = (&r.api, c.max_logprob_delta_tolerance)
+        && r.verdict != crate::compare::Verdict::Error
+    {
+        let _ = writeln!(s, "    max_logprob_delta: {}", bucket(api.max_logprob_delta as f32, tol));
     }
     if let Some(d) = &r.first_divergence {
         let mut loc = format!(
@@ -167,7 +173,17 @@ fn row(s: &mut String, r: &Row, tolerance: f32) {
 /// the bucket already reports.
 fn strip_numbers_after_rms(f: &str) -> String {
     f.split("; ")
-        .map(|part| if part.starts_with("max relative RMS") { "max relative RMS over tolerance" } else { part })
+        .map(|part| {
+            if part.starts_with("max relative RMS") {
+                "max relative RMS over tolerance"
+            } else if part.starts_with("max |delta logprob|") {
+                "max |delta logprob| over tolerance"
+            } else if part.starts_with("not bitwise identical") {
+                "not bitwise identical"
+            } else {
+                part
+            }
+        })
         .collect::<Vec<_>>()
         .join("; ")
 }

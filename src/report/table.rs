@@ -115,6 +115,8 @@ pub fn tail(report: &Report, color: bool) -> String {
         let _ = writeln!(out, "{} {}: {}", paint.yellow("SKIP"), c.name, first_line(c.reason.as_deref()));
     }
 
+    api_summary(&mut out, report);
+
     // Where the time went, per checkpoint that ran: what a suite costs, phase by phase.
     let timed: Vec<&CheckpointReport> =
         report.checkpoints.iter().filter(|c| c.status == CheckpointStatus::Ran && !c.phases.is_empty()).collect();
@@ -227,8 +229,11 @@ pub(crate) fn details(row: &Row, checkpoint: Option<&CheckpointReport>) -> Vec<(
             out.push(("worst step", format!("step {step}: rel RMS {v:.3e} (tokens identical)")));
         }
     }
-    if row.verdict != Verdict::Error {
-        out.push(("rel RMS", rms(row)));
+    match &row.api {
+        Some(api) if row.verdict != Verdict::Error => out.push(("logprobs", api_line(api, checkpoint))),
+        Some(_) => {}
+        None if row.verdict != Verdict::Error => out.push(("rel RMS", rms(row))),
+        None => {}
     }
     if let (Some(r), Some(t)) = (&row.reference_text, &row.text) {
         // Equal text under equal tokens says nothing the verdict did not; equal text under
@@ -296,6 +301,80 @@ pub(crate) fn rms(row: &Row) -> String {
     if let Some(kl) = row.max_kl {
         let _ = write!(s, "; max KL {kl:.3e}");
     }
+    s
+}
+
+/// What the servers of request-level rows (kind = "openai") said about themselves: said once
+/// for the whole run, since they are facts about the server, not about one row.
+fn api_summary(out: &mut String, report: &Report) {
+    let api: Vec<(&Row, &super::ApiFacts)> = report.rows.iter().filter_map(|r| Some((r, r.api.as_ref()?))).collect();
+    if api.is_empty() {
+        return;
+    }
+    out.push('\n');
+    let presented: usize = api.iter().map(|(_, a)| a.presented_not_top1).sum();
+    if presented > 0 {
+        let _ = writeln!(
+            out,
+            "quirk: at {presented} steps the server presented a token other than the most probable of its own \
+             top_logprobs as the chosen one; parity takes the most probable (temperature 0)"
+        );
+    }
+    let miscounted: Vec<&&Row> = api
+        .iter()
+        .filter(|(_, a)| a.server_prompt_tokens.is_some_and(|n| n != a.prompt_tokens))
+        .map(|(r, _)| r)
+        .collect();
+    if let Some(r) = miscounted.first() {
+        let _ = writeln!(
+            out,
+            "tokenizer: in {} the server's prompt token count differs from parity's (e.g. {})",
+            plural(miscounted.len(), "row"),
+            r.id()
+        );
+    }
+    let contradicted = api.iter().filter(|(_, a)| a.text_contradiction.is_some()).count();
+    if contradicted > 0 {
+        let _ = writeln!(
+            out,
+            "contradiction: in {} the server's text is not its own top-1 tokens",
+            plural(contradicted, "row")
+        );
+    }
+    let requests: usize = api.iter().map(|(r, _)| r.paths).sum();
+    let (wall, own): (f64, f64) = api.iter().fold((0.0, 0.0), |(w, o), (_, a)| (w + a.seconds, o + a.parity_seconds));
+    if requests > 0 {
+        let _ = writeln!(
+            out,
+            "requests: {requests} measured, {:.2}s each on average; parity's own share {:.2} ms per request",
+            wall / requests as f64,
+            1e3 * own / requests as f64
+        );
+    }
+}
+
+/// A request-level row's measurements: the logprob shift against its tolerance, the first
+/// difference, and what the server said about the prompt.
+pub(crate) fn api_line(api: &super::ApiFacts, c: Option<&CheckpointReport>) -> String {
+    let mut s = format!("max |delta| {:.3e}", api.max_logprob_delta);
+    if let Some(t) = c.and_then(|c| c.max_logprob_delta_tolerance) {
+        let _ = write!(s, " (tolerance {t:.1e}{})", if c.is_some_and(|c| c.bitwise) { ", bitwise" } else { "" });
+    }
+    if let Some(d) = &api.first_difference {
+        let v = |x: Option<f64>| x.map_or("absent".to_string(), |x| format!("{x:.6}"));
+        let _ = write!(s, "; first difference step {} token {}: {} vs {}", d.step, d.token, v(d.reference), v(d.path));
+    }
+    let _ = write!(s, "\nprompt {} tokens (server: ", api.prompt_tokens);
+    match api.server_prompt_tokens {
+        Some(n) => {
+            let _ = write!(s, "{n}");
+        }
+        None => s.push_str("not reported"),
+    }
+    if let Some(c) = api.cached_tokens {
+        let _ = write!(s, ", {c} cached");
+    }
+    let _ = write!(s, "), finish {}", api.finish_reason.as_deref().unwrap_or("?"));
     s
 }
 

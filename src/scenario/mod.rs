@@ -37,6 +37,10 @@ pub enum Scenario {
     Chunked,
     Rollback,
     Prefix,
+    /// Request level only (kind = "openai"): prompt lengths across tile/block boundaries.
+    Lengths,
+    /// Request level only (kind = "openai"): the same request twice, uncached then cached.
+    Repeat,
 }
 
 pub const ALL: &[Scenario] = &[
@@ -49,6 +53,10 @@ pub const ALL: &[Scenario] = &[
     Scenario::Prefix,
 ];
 
+/// What an engine that can only be sent whole requests runs (kind = "openai"), and its default.
+pub const REQUEST_LEVEL: &[Scenario] =
+    &[Scenario::Single, Scenario::Batch2, Scenario::Concurrent, Scenario::Lengths, Scenario::Prefix, Scenario::Repeat];
+
 impl Scenario {
     pub fn name(self) -> &'static str {
         match self {
@@ -59,11 +67,21 @@ impl Scenario {
             Scenario::Chunked => "chunked",
             Scenario::Rollback => "rollback",
             Scenario::Prefix => "prefix",
+            Scenario::Lengths => "lengths",
+            Scenario::Repeat => "repeat",
         }
     }
 
     pub fn parse(s: &str) -> Option<Scenario> {
-        ALL.iter().copied().find(|x| x.name() == s)
+        ALL.iter().chain(REQUEST_LEVEL).copied().find(|x| x.name() == s)
+    }
+
+    /// Every scenario name, for error messages.
+    pub fn known_names() -> Vec<&'static str> {
+        let mut names: Vec<&str> = ALL.iter().map(|s| s.name()).collect();
+        let more: Vec<&str> = REQUEST_LEVEL.iter().map(|s| s.name()).filter(|n| !names.contains(n)).collect();
+        names.extend(more);
+        names
     }
 
     /// Every case of this scenario for `prompts` on `path`. Never fails as a whole: a case
@@ -77,6 +95,19 @@ impl Scenario {
             Scenario::Chunked => chunked::run(h, path, prompts),
             Scenario::Rollback => rollback::run(h, path, prompts),
             Scenario::Prefix => prefix::run(h, path, prompts),
+            // Suites refuse these on step-level engines (suite.rs); never silently pass.
+            Scenario::Lengths | Scenario::Repeat => prompts
+                .iter()
+                .map(|p| CaseOutput {
+                    case: "*".into(),
+                    prompt: p.clone(),
+                    paths: Vec::new(),
+                    notes: Vec::new(),
+                    kv: None,
+                    outcome: Outcome::Failed(format!("`{}` runs on kind = \"openai\" only", self.name())),
+                    audit: None,
+                })
+                .collect(),
         }
     }
 }
@@ -102,6 +133,10 @@ pub struct Settings {
     pub poison: bool,
     /// Paged pool budget in blocks (none: grow as needed).
     pub pool_blocks: Option<usize>,
+    /// `lengths` (kind = "openai"): prompt lengths to send; default the boundaries of `tile`,
+    /// `block_size` and `chunk` (each minus one, exact, plus one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lengths: Option<Vec<usize>>,
 }
 
 impl Default for Settings {
@@ -116,6 +151,7 @@ impl Default for Settings {
             concurrent: ConcurrentSettings::default(),
             poison: true,
             pool_blocks: None,
+            lengths: None,
         }
     }
 }

@@ -68,6 +68,31 @@ pub fn copy_checkpoint(src: &std::path::Path, name: &str) -> PathBuf {
     dst
 }
 
+/// The processes whose command line carries `tag` (leftover adapters or servers of one test).
+pub fn processes_tagged(tag: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let zombie = stat.rsplit(')').next().is_some_and(|s| s.trim_start().starts_with('Z'));
+        if cmdline.contains(tag) && !zombie {
+            out.push(cmdline);
+        }
+    }
+    out
+}
+
+/// Nothing started with `tag` on its command line is still running (after a short grace).
+pub fn assert_no_leftovers(tag: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !processes_tagged(tag).is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let left = processes_tagged(tag);
+    assert!(left.is_empty(), "engine processes outlived the run: {left:?}");
+}
+
 /// The binary as the tests run it: on the CPU (the accepted snapshots are CPU ones, also on a
 /// Mac), never accepting snapshots because of the caller's environment.
 pub fn command() -> std::process::Command {

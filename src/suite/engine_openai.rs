@@ -1,0 +1,169 @@
+//! `[engine] kind = "openai"`: the suite's server, its paths and what every request carries,
+//! with the same file:line:column errors as the rest of the suite.
+
+use toml::Spanned;
+
+use super::{Ctx, EngineSpec, RawEngine, RawPath, SuiteError, expand_env};
+use super::{OpenaiPath, OpenaiSpec, PromptForm, ServerSpec, openai};
+use crate::scenario::{ALL, REQUEST_LEVEL, Scenario};
+
+pub(super) fn parse(cx: &Ctx, raw: &Spanned<RawEngine>) -> Result<EngineSpec, SuiteError> {
+    let e = raw.get_ref();
+    let server = match (&e.command, &e.url) {
+        (Some(c), None) => {
+            if c.get_ref().is_empty() || c.get_ref()[0].is_empty() {
+                return Err(cx.err(c.span(), "engine.command: give the program and its arguments"));
+            }
+            if !c.get_ref().iter().any(|a| a.contains("{port}")) {
+                return Err(
+                    cx.err(c.span(), "engine.command: pass `{port}` (parity picks a free loopback port per server)")
+                );
+            }
+            let model = match &e.model {
+                Some(m) => {
+                    Some(expand_env(m.get_ref()).map_err(|msg| cx.err(m.span(), format!("engine.model: {msg}")))?)
+                }
+                None => None,
+            };
+            ServerSpec::Command { argv: c.get_ref().clone(), model }
+        }
+        (None, Some(u)) => {
+            if let Some(m) = &e.model {
+                return Err(cx.err(m.span(), "engine.model: a `url` server is already running; nothing is started"));
+            }
+            ServerSpec::Url(
+                openai::loopback_url(u.get_ref()).map_err(|m| cx.err(u.span(), format!("engine.url: {m}")))?,
+            )
+        }
+        _ => {
+            return Err(cx.err(
+                raw.span(),
+                "engine: kind = \"openai\" needs exactly one of `command` (a server to start) or `url` (one running)",
+            ));
+        }
+    };
+    let raw_paths = e.paths.as_ref().ok_or_else(|| {
+        cx.err(
+            raw.span(),
+            "engine: kind = \"openai\" needs [engine.paths] (name = [extra arguments] or {args, request})",
+        )
+    })?;
+    if raw_paths.get_ref().0.is_empty() {
+        return Err(cx.err(raw_paths.span(), "engine.paths: name at least one path"));
+    }
+    let mut paths = Vec::new();
+    for (name, p) in &raw_paths.get_ref().0 {
+        let here = |why: String| cx.err(raw_paths.span(), format!("engine.paths.{name}: {why}"));
+        // A path name is part of report ids and server log names: one plain component, checked
+        // as every other name that becomes a file name is.
+        crate::names::check_component(name)
+            .map_err(|why| cx.err(raw_paths.span(), format!("engine.paths: `{}` {why}", name.escape_debug())))?;
+        let (args, request) = match p {
+            RawPath::Args(a) => (a.clone(), serde_json::Map::new()),
+            RawPath::Table { args, request } => (args.clone(), openai::request_fields(request).map_err(here)?),
+        };
+        if matches!(server, ServerSpec::Url(_)) && !args.is_empty() {
+            return Err(here("a `url` server is already running: a path can only differ by `request` fields".into()));
+        }
+        paths.push(OpenaiPath { name: name.clone(), args, request });
+    }
+    let reference = match &e.reference {
+        None => paths[0].name.clone(),
+        Some(r) if paths.iter().any(|p| &p.name == r.get_ref()) => r.get_ref().clone(),
+        Some(r) => {
+            let names: Vec<&str> = paths.iter().map(|p| p.name.as_str()).collect();
+            return Err(cx.err(
+                r.span(),
+                format!(
+                    "engine.reference: `{}` is not a path of this engine ({}); an openai engine is compared with one of its own paths",
+                    r.get_ref(),
+                    names.join(", ")
+                ),
+            ));
+        }
+    };
+    let ready = match &e.ready {
+        Some(r) if !r.get_ref().starts_with('/') => {
+            return Err(cx.err(r.span(), "engine.ready: a path on the server, starting with `/` (e.g. /health)"));
+        }
+        Some(r) => r.get_ref().clone(),
+        None => "/health".to_string(),
+    };
+    let top_logprobs = match &e.top_logprobs {
+        Some(k) if !(1..=1000).contains(k.get_ref()) => {
+            return Err(cx.err(k.span(), format!("engine.top_logprobs: {} must be in 1..=1000", k.get_ref())));
+        }
+        Some(k) => *k.get_ref() as usize,
+        None => 5,
+    };
+    let prompt = match &e.prompt {
+        Some(p) => PromptForm::parse(p.get_ref()).map_err(|m| cx.err(p.span(), format!("engine.prompt: {m}")))?,
+        None => PromptForm::Text,
+    };
+    let request = match &e.request {
+        Some(r) => openai::request_fields(r.get_ref()).map_err(|m| cx.err(r.span(), format!("engine.request: {m}")))?,
+        None => serde_json::Map::new(),
+    };
+    Ok(EngineSpec::Openai(OpenaiSpec {
+        name: e.name.clone().unwrap_or_else(|| "openai".to_string()),
+        server,
+        paths,
+        reference,
+        ready,
+        timeout: cx.seconds("engine.timeout", &e.timeout, 300.0)?,
+        start_timeout: cx.seconds("engine.start_timeout", &e.start_timeout, 300.0)?,
+        top_logprobs,
+        stream_logprobs: e.stream_logprobs.unwrap_or(false),
+        prompt,
+        request,
+    }))
+}
+
+/// The scenarios a checkpoint runs on its engine. kind = "openai" sends whole requests, so
+/// only the request-level scenarios exist for it (and they are its default); the step-level
+/// engines cannot run `lengths` or `repeat`. `written` is the list as the suite wrote it (for
+/// the error's position), `None` when the default applies.
+pub(super) fn scenarios_for(
+    cx: &Ctx,
+    engine: &EngineSpec,
+    scenarios: Vec<Scenario>,
+    written: Option<&Vec<Spanned<String>>>,
+    checkpoint: std::ops::Range<usize>,
+) -> Result<Vec<Scenario>, SuiteError> {
+    let openai = matches!(engine, EngineSpec::Openai(_));
+    if openai && written.is_none() {
+        return Ok(REQUEST_LEVEL.to_vec());
+    }
+    let allowed: &[Scenario] = if openai { REQUEST_LEVEL } else { ALL };
+    for (i, s) in scenarios.iter().enumerate() {
+        if !allowed.contains(s) {
+            let span = written.and_then(|w| w.get(i)).map(|w| w.span()).unwrap_or(checkpoint);
+            let names: Vec<&str> = allowed.iter().map(|s| s.name()).collect();
+            let what = if openai {
+                "kind = \"openai\" sends whole requests and cannot step an engine"
+            } else {
+                "it is a request-level scenario (kind = \"openai\" only)"
+            };
+            return Err(cx.err(span, format!("scenario `{}`: {what}; this engine runs {}", s.name(), names.join(", "))));
+        }
+    }
+    Ok(scenarios)
+}
+
+/// The first key set that only kind = "openai" reads, with its span.
+pub(super) fn openai_only_key(raw: &Spanned<RawEngine>) -> Option<(&'static str, std::ops::Range<usize>)> {
+    let e = raw.get_ref();
+    let span = |s: &Option<Spanned<String>>| s.as_ref().map(|v| v.span());
+    [
+        ("url", span(&e.url)),
+        ("model", span(&e.model)),
+        ("ready", span(&e.ready)),
+        ("prompt", span(&e.prompt)),
+        ("top_logprobs", e.top_logprobs.as_ref().map(|v| v.span())),
+        ("request", e.request.as_ref().map(|v| v.span())),
+        ("name", e.name.as_ref().map(|_| raw.span())),
+        ("stream_logprobs", e.stream_logprobs.map(|_| raw.span())),
+    ]
+    .into_iter()
+    .find_map(|(k, s)| s.map(|s| (k, s)))
+}
