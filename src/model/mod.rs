@@ -1,6 +1,7 @@
 //! The model runtime: a decoder-only transformer whose only view of KV storage is
 //! [`KvCache`]. One forward serves prefill, chunked prefill, padded prefill and batched
-//! decode; nothing here asks which backend it runs on.
+//! decode; nothing here asks which backend it runs on. Attention runs batched (the default) or
+//! row by row ([`AttentionMode`]), a comparison of its own.
 
 pub mod attention;
 pub mod layers;
@@ -18,7 +19,8 @@ use crate::error::{Error, Result};
 use crate::faults::Faults;
 use crate::kv::{KvCache, KvShape, SeqId};
 
-pub use attention::Attention;
+use attention::StepContext;
+pub use attention::{Attention, AttentionMode};
 pub use layers::{Embedding, Linear, LoadOptions, Mlp, RmsNorm};
 use rope::Rope;
 
@@ -49,6 +51,8 @@ pub struct Model {
     rope: Rope,
     /// Planted faults (see `faults`); a runtime setting, none by default.
     faults: std::cell::Cell<Faults>,
+    /// How [`Model::forward`] runs attention; a runtime setting, batched by default.
+    mode: std::cell::Cell<AttentionMode>,
 }
 
 /// One row of a forward step: a sequence and the tokens to append to it. Rows in one step
@@ -126,6 +130,7 @@ impl Model {
             lm_head,
             rope,
             faults: std::cell::Cell::new(Faults::NONE),
+            mode: std::cell::Cell::new(AttentionMode::default()),
         })
     }
 
@@ -146,15 +151,28 @@ impl Model {
         self.faults.set(faults);
     }
 
+    pub fn attention_mode(&self) -> AttentionMode {
+        self.mode.get()
+    }
+
+    pub fn set_attention_mode(&self, mode: AttentionMode) {
+        self.mode.set(mode);
+    }
+
     pub fn tied_embeddings(&self) -> bool {
         self.lm_head.is_none()
+    }
+
+    /// Run one step for `rows` with the model's attention mode (see [`Model::forward_mode`]).
+    pub fn forward(&self, kv: &mut dyn KvCache, rows: &[RowStep]) -> Result<Array> {
+        self.forward_mode(kv, rows, self.mode.get())
     }
 
     /// Run one step for `rows` and return the logits `[B, vocab]` at each row's `logits_at`.
     ///
     /// Each row's K/V rows are reserved in `kv` first; the row's RoPE offset is derived from
     /// that reservation (the sequence's one counter), never tracked here.
-    pub fn forward(&self, kv: &mut dyn KvCache, rows: &[RowStep]) -> Result<Array> {
+    pub fn forward_mode(&self, kv: &mut dyn KvCache, rows: &[RowStep], mode: AttentionMode) -> Result<Array> {
         let t = rows.first().map(|r| r.tokens.len()).unwrap_or(0);
         if t == 0 || rows.iter().any(|r| r.tokens.len() != t) {
             return Err(Error::Invalid("every row of a step needs the same, non-zero number of tokens".into()));
@@ -165,32 +183,44 @@ impl Model {
                 self.config.vocab_size
             )));
         }
+        if let Some(r) = rows.iter().find(|r| r.logits_at >= t) {
+            return Err(Error::Invalid(format!("logits_at {} is past the step's {t} tokens", r.logits_at)));
+        }
+        let seqs: Vec<SeqId> = rows.iter().map(|r| r.seq).collect();
+        if let Some(dup) = seqs.iter().enumerate().find_map(|(i, s)| seqs[..i].contains(s).then_some(s)) {
+            // Two rows of one sequence would reserve and write the same rows twice.
+            return Err(Error::Invalid(format!("sequence {} appears twice in one step", dup.0)));
+        }
         let ctx = self.config.max_position_embeddings;
         let mut starts = Vec::with_capacity(rows.len());
-        for r in rows {
-            let len = kv.len(r.seq)?;
+        let mut masked = Vec::with_capacity(rows.len());
+        for &seq in &seqs {
+            let len = kv.len(seq)?;
             if len + t > ctx {
                 return Err(Error::ContextOverflow { held: len, adding: t, context: ctx });
             }
-            starts.push(kv.reserve(r.seq, t)?);
+            masked.push(kv.masked_prefix(seq)?);
+            starts.push(kv.reserve(seq, t)?);
         }
         let b = rows.len() as i32;
         let ids: Vec<i32> = rows.iter().flat_map(|r| r.tokens.iter().map(|&x| x as i32)).collect();
         let ids = Array::from_slice(&ids, &[b, t as i32]);
         let mut x = self.embed.forward(&ids)?;
-        let faults = self.faults.get();
-        let offsets = attention::rope_offsets(kv, rows, &starts, faults)?;
-        let ctx = attention::StepContext { rows, starts: &starts, offsets, rope: &self.rope, faults };
+        let step = StepContext::new(mode, seqs, starts, masked, t, &self.rope, self.faults.get());
         for (layer, block) in self.blocks.iter().enumerate() {
-            let h = block.attn.forward(&block.input_norm.forward(&x)?, layer, kv, &ctx)?;
+            let h = block.attn.forward(&block.input_norm.forward(&x)?, layer, kv, &step)?;
             x = x.add(&h)?;
             let h = block.mlp.forward(&block.post_norm.forward(&x)?)?;
             x = x.add(&h)?;
         }
         // Only the selected position of each row goes through the final norm and the head.
-        let pick: Vec<i32> = rows.iter().map(|r| r.logits_at as i32).collect();
-        let pick = Array::from_slice(&pick, &[b, 1, 1]);
-        let x = x.take_along_axis(&pick, 1)?.squeeze_axes(&[1])?;
+        let x = if t == 1 {
+            x.squeeze_axes(&[1])?
+        } else {
+            let pick: Vec<i32> = rows.iter().map(|r| r.logits_at as i32).collect();
+            let pick = Array::from_slice(&pick, &[b, 1, 1]);
+            x.take_along_axis(&pick, 1)?.squeeze_axes(&[1])?
+        };
         let x = self.norm.forward(&x)?;
         let logits = match &self.lm_head {
             Some(head) => head.forward(&x)?,

@@ -1,11 +1,12 @@
-//! Rotary position embedding, applied to one sequence at a time.
+//! Rotary position embedding.
 //!
 //! Regression guard (RoPE stride aliasing): a batched decode tensor `[B, H, 1, D]` must never
-//! be rotated with a single call and a uniform offset. MLX's rope treats axis -2 as the
-//! sequence axis; a "uniform offsets" fast path over the transposed `[B, 1, H, D]` layout once
-//! rotated row b at `offset + b`. [`Rope::apply`] takes a `[1, H, T, D]` row and the row's own
-//! offset; the model calls it per row. The planted fault `rope-batch-alias` reproduces the bug
-//! in [`Rope::apply_batch_aliased`].
+//! be rotated with a single scalar offset. MLX's rope treats axis -2 as the sequence axis; a
+//! "uniform offsets" fast path over the transposed `[B, 1, H, D]` layout once rotated row b at
+//! `offset + b`. Batched attention rotates the batch in one call with an array of per-row
+//! offsets ([`Rope::apply_batch`], MLX's rope with a `[B]` offset array: row b's position t is
+//! `offsets[b] + t`); row-by-row attention calls [`Rope::apply`] on one row at a time. The
+//! planted fault `rope-batch-alias` reproduces the bug in [`Rope::apply_batch_aliased`].
 
 use mlx_rs::Array;
 
@@ -52,6 +53,26 @@ impl Rope {
             )));
         }
         Ok(mlx_rs::fast::rope(x, self.dims, self.traditional, self.base, self.scale, offset, self.freqs.as_ref())?)
+    }
+
+    /// Rotate `x` (`[B, H, T, D]`) whose row b starts at `offsets[b]` (`[B]` int32), in one call.
+    pub fn apply_batch(&self, x: &Array, offsets: &Array) -> Result<Array> {
+        if offsets.shape() != [x.shape()[0]] {
+            return Err(Error::Invalid(format!(
+                "rope on a batch of {} rows with offsets of shape {:?}",
+                x.shape()[0],
+                offsets.shape()
+            )));
+        }
+        Ok(mlx_rs::fast::rope_dynamic(
+            x,
+            self.dims,
+            self.traditional,
+            self.base,
+            self.scale,
+            offsets,
+            self.freqs.as_ref(),
+        )?)
     }
 
     /// Planted fault `rope-batch-alias`: the whole `[B, H, 1, D]` decode tensor rotated in one
