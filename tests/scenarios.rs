@@ -7,6 +7,7 @@ use parity::compare::{self, Verdict};
 use parity::dtype::DtypeName;
 use parity::faults::Faults;
 use parity::kv::Backend;
+use parity::model::AttentionMode;
 use parity::scenario::{self, Harness, Prompt, Settings};
 
 /// Lengths that cross every boundary of block size 4 and tile 8: block-1, block+1, tile-1,
@@ -31,10 +32,15 @@ fn settings() -> Settings {
     }
 }
 
+/// Both attention modes: batched (the default) and row by row (the reference form).
 #[test]
 fn every_scenario_matches_the_reference_on_both_backends() {
-    for fixture in ["llama-tiny", "qwen3-tiny"] {
+    for (fixture, mode) in ["llama-tiny", "qwen3-tiny"]
+        .into_iter()
+        .flat_map(|f| [AttentionMode::Batched, AttentionMode::RowByRow].map(|m| (f, m)))
+    {
         let (model, _) = common::load(&common::fixture(fixture));
+        model.set_attention_mode(mode);
         let mut h = Harness::new(&model, settings(), Faults::NONE);
         let prompts = prompts();
         for &sc in scenario::ALL {
@@ -49,7 +55,8 @@ fn every_scenario_matches_the_reference_on_both_backends() {
                         assert!(!path.tokens.is_empty());
                         let cmp = compare::compare(&reference, path, DtypeName::Float32, 1e-3).unwrap();
                         let what = format!(
-                            "{fixture} {} {} {} {} row {row}",
+                            "{fixture} {} {} {} {} {} row {row}",
+                            mode.name(),
                             sc.name(),
                             c.case,
                             c.prompt.name,

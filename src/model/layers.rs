@@ -125,6 +125,15 @@ impl Embedding {
         match quantized_spec(w, quant, path) {
             Some(spec) => {
                 let (weight, scales, biases) = load_packed(w, path, hidden, vocab, spec, opts)?;
+                if opts.dequantize {
+                    // The embedding too: tied, it is also the output projection, the largest
+                    // matmul of a decode step, and MLX's CPU quantized matmul is single-threaded
+                    // (mlx-lm's dequantize_model converts it as well).
+                    let weight =
+                        mlx_rs::ops::dequantize(&weight, &scales, &biases, spec.group_size as i32, spec.bits as i32)?;
+                    weight.eval()?;
+                    return Ok(Embedding::Dense { weight });
+                }
                 Ok(Embedding::Quantized { weight, scales, biases, spec })
             }
             None => Ok(Embedding::Dense {

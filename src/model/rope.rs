@@ -120,6 +120,29 @@ fn llama3_periods(head_dim: usize, base: f32, factor: f32, low: f32, high: f32, 
 mod tests {
     use super::*;
 
+    /// MLX's rope with a `[B]` offset array rotates row b from `offsets[b]` (negative for left
+    /// pads), exactly as one call per row with that row's scalar offset.
+    #[test]
+    fn batch_offsets_rotate_each_row_from_its_own_offset() {
+        let json = r#"{"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2,
+            "intermediate_size": 32, "num_hidden_layers": 1, "vocab_size": 8, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 64, "rope_theta": 10000.0}"#;
+        let cfg = ModelConfig::parse(std::path::Path::new("config.json"), json).expect("config");
+        let rope = Rope::new(&cfg).unwrap();
+        let x = mlx_rs::random::normal::<f32>(&[3, 2, 4, 8], None, None, None).unwrap();
+        let offsets = [0, 5, -2];
+        let batch = rope.apply_batch(&x, &Array::from_slice(&offsets, &[3])).unwrap();
+        for (b, &off) in offsets.iter().enumerate() {
+            use mlx_rs::ops::indexing::IndexOp;
+            let b = b as i32;
+            let row = rope.apply(&x.index((b..b + 1, .., .., ..)), off).unwrap();
+            let diff = batch.index((b..b + 1, .., .., ..)).subtract(&row).unwrap().abs().unwrap().max(None).unwrap();
+            assert_eq!(diff.item::<f32>(), 0.0, "row {b} at offset {off}");
+        }
+        let short = Array::from_slice(&[0, 1], &[2]);
+        assert!(rope.apply_batch(&x, &short).is_err(), "one offset per row");
+    }
+
     #[test]
     fn llama3_periods_keep_short_and_stretch_long_wavelengths() {
         let p = llama3_periods(64, 500_000.0, 32.0, 1.0, 4.0, 8192.0);
