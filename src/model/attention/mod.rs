@@ -15,7 +15,7 @@ mod rowwise;
 
 use mlx_rs::Array;
 
-use super::layers::{Linear, LoadOptions, RmsNorm};
+use super::layers::{Linear, LoadOptions, RmsNorm, Stacked};
 use super::rope::Rope;
 use crate::checkpoint::{ModelConfig, WeightStore};
 use crate::error::Result;
@@ -52,9 +52,8 @@ impl std::str::FromStr for AttentionMode {
 }
 
 pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// q, k and v projections in one matmul.
+    qkv: Stacked,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -109,10 +108,11 @@ impl Attention {
                 Ok(None)
             }
         };
+        let q_proj = Linear::load(w, q, &format!("{path}.q_proj"), c.hidden_size, h * d, bias, opts)?;
+        let k_proj = Linear::load(w, q, &format!("{path}.k_proj"), c.hidden_size, kvh * d, bias, opts)?;
+        let v_proj = Linear::load(w, q, &format!("{path}.v_proj"), c.hidden_size, kvh * d, bias, opts)?;
         Ok(Attention {
-            q_proj: Linear::load(w, q, &format!("{path}.q_proj"), c.hidden_size, h * d, bias, opts)?,
-            k_proj: Linear::load(w, q, &format!("{path}.k_proj"), c.hidden_size, kvh * d, bias, opts)?,
-            v_proj: Linear::load(w, q, &format!("{path}.v_proj"), c.hidden_size, kvh * d, bias, opts)?,
+            qkv: Stacked::new(vec![q_proj, k_proj, v_proj])?,
             o_proj: Linear::load(w, q, &format!("{path}.o_proj"), h * d, c.hidden_size, bias, opts)?,
             q_norm: norm(w, "q_norm")?,
             k_norm: norm(w, "k_norm")?,
@@ -134,9 +134,14 @@ impl Attention {
             };
             Ok(y.transpose_axes(&[0, 2, 1, 3])?) // [B, heads, T, D]
         };
-        let q = split(self.q_proj.forward(x)?, self.heads, &self.q_norm)?;
-        let k = split(self.k_proj.forward(x)?, self.kv_heads, &self.k_norm)?;
-        let v = split(self.v_proj.forward(x)?, self.kv_heads, &None)?;
+        let [q, k, v]: [Array; 3] = self
+            .qkv
+            .forward(x)?
+            .try_into()
+            .map_err(|_| crate::Error::Invalid("q/k/v projection did not split in three".into()))?;
+        let q = split(q, self.heads, &self.q_norm)?;
+        let k = split(k, self.kv_heads, &self.k_norm)?;
+        let v = split(v, self.kv_heads, &None)?;
         let out = match &ctx.batch {
             Some(step) => batched::attend(step, self.scale, q, k, v, layer, kv, ctx)?,
             None => rowwise::attend(self.scale, q, k, v, layer, kv, ctx)?,
