@@ -6,7 +6,6 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::engine;
 use crate::error::Result;
 use crate::faults::Faults;
 use crate::kv::{Backend, KvCache, KvStats};
@@ -84,7 +83,9 @@ pub struct BenchOptions {
 type Sample = (f64, f64, f64, KvStats, Vec<Vec<u32>>);
 
 /// One repetition: prefill every row in one forward (left-padded to the longest, the pads
-/// masked, as mlx-lm's batch_generate does), then `decode` batched greedy steps.
+/// masked, as mlx-lm's batch_generate does), then `decode` batched greedy steps, pipelined as
+/// mlx-lm's generators are: step n + 1 is built on step n's argmax, still on the device, and
+/// queued before step n's tokens are read, so the host builds a graph while the last one runs.
 fn once(model: &Model, kv: &mut dyn KvCache, lengths: &[usize], decode: usize, mode: AttentionMode) -> Result<Sample> {
     let vocab = model.config.vocab_size;
     let longest = lengths.iter().copied().max().unwrap_or(0);
@@ -99,21 +100,42 @@ fn once(model: &Model, kv: &mut dyn KvCache, lengths: &[usize], decode: usize, m
     }
     let rows: Vec<RowStep> = seqs.iter().zip(prompts).map(|(&s, tokens)| RowStep::new(s, tokens)).collect();
     let t = Instant::now();
-    let mut next = engine::greedy(&model.forward_mode(kv, &rows, mode)?)?;
+    let mut next = argmax(&model.forward_mode(kv, &rows, mode)?)?;
+    let mut tokens: Vec<Vec<u32>> = host(&next)?.into_iter().map(|x| vec![x]).collect();
     let prefill_secs = t.elapsed().as_secs_f64();
-    let mut tokens: Vec<Vec<u32>> = next.iter().map(|&x| vec![x]).collect();
     let t = Instant::now();
-    for _ in 0..decode {
-        let rows: Vec<RowStep> = seqs.iter().zip(&next).map(|(&s, &t)| RowStep::new(s, vec![t])).collect();
-        next = engine::greedy(&model.forward_mode(kv, &rows, mode)?)?;
-        for (row, &x) in tokens.iter_mut().zip(&next) {
-            row.push(x);
+    for step in 0..decode {
+        let following = argmax(&model.decode_next(kv, &seqs, &next, mode)?)?;
+        mlx_rs::transforms::async_eval([&following])?;
+        if step > 0 {
+            push(&mut tokens, &next)?;
         }
+        next = following;
+    }
+    if decode > 0 {
+        push(&mut tokens, &next)?;
     }
     let decode_secs = t.elapsed().as_secs_f64();
     let total: usize = lengths.iter().sum();
     let stats = kv.stats();
     Ok((total as f64 / prefill_secs, (lengths.len() * decode) as f64 / decode_secs, prefill_secs * 1e3, stats, tokens))
+}
+
+fn argmax(logits: &mlx_rs::Array) -> Result<mlx_rs::Array> {
+    Ok(mlx_rs::ops::indexing::argmax_axis(logits, -1, false)?)
+}
+
+/// Wait for `ids` and bring them to the host.
+fn host(ids: &mlx_rs::Array) -> Result<Vec<u32>> {
+    ids.eval()?;
+    Ok(ids.as_slice::<u32>().to_vec())
+}
+
+fn push(tokens: &mut [Vec<u32>], ids: &mlx_rs::Array) -> Result<()> {
+    for (row, x) in tokens.iter_mut().zip(host(ids)?) {
+        row.push(x);
+    }
+    Ok(())
 }
 
 pub fn bench(

@@ -187,13 +187,42 @@ impl Model {
             return Err(Error::Invalid(format!("logits_at {} is past the step's {t} tokens", r.logits_at)));
         }
         let seqs: Vec<SeqId> = rows.iter().map(|r| r.seq).collect();
+        let b = rows.len() as i32;
+        let ids: Vec<i32> = rows.iter().flat_map(|r| r.tokens.iter().map(|&x| x as i32)).collect();
+        let ids = Array::from_slice(&ids, &[b, t as i32]);
+        let pick = (t > 1).then(|| rows.iter().map(|r| r.logits_at as i32).collect::<Vec<_>>());
+        self.step(kv, seqs, ids, pick, mode)
+    }
+
+    /// One decode step (one token per sequence) whose tokens are a device array `[B]`, typically
+    /// the previous step's argmax: a caller can queue this step before the previous one has
+    /// finished, so the host never waits between steps (as mlx-lm's generators pipeline). The
+    /// ids are trusted to be in the vocabulary, as an argmax over the logits always is.
+    pub fn decode_next(&self, kv: &mut dyn KvCache, seqs: &[SeqId], ids: &Array, mode: AttentionMode) -> Result<Array> {
+        if ids.shape() != [seqs.len() as i32] {
+            return Err(Error::Invalid(format!("{} sequences but token ids of shape {:?}", seqs.len(), ids.shape())));
+        }
+        self.step(kv, seqs.to_vec(), ids.reshape(&[seqs.len() as i32, 1])?, None, mode)
+    }
+
+    /// The forward pass over `ids` (`[B, T]`) appended to `seqs`; logits at `pick[b]` of each
+    /// row (`None`: the only position, T = 1).
+    fn step(
+        &self,
+        kv: &mut dyn KvCache,
+        seqs: Vec<SeqId>,
+        ids: Array,
+        pick: Option<Vec<i32>>,
+        mode: AttentionMode,
+    ) -> Result<Array> {
         if let Some(dup) = seqs.iter().enumerate().find_map(|(i, s)| seqs[..i].contains(s).then_some(s)) {
             // Two rows of one sequence would reserve and write the same rows twice.
             return Err(Error::Invalid(format!("sequence {} appears twice in one step", dup.0)));
         }
+        let (b, t) = (ids.shape()[0], ids.shape()[1] as usize);
         let ctx = self.config.max_position_embeddings;
-        let mut starts = Vec::with_capacity(rows.len());
-        let mut masked = Vec::with_capacity(rows.len());
+        let mut starts = Vec::with_capacity(seqs.len());
+        let mut masked = Vec::with_capacity(seqs.len());
         for &seq in &seqs {
             let len = kv.len(seq)?;
             if len + t > ctx {
@@ -202,9 +231,6 @@ impl Model {
             masked.push(kv.masked_prefix(seq)?);
             starts.push(kv.reserve(seq, t)?);
         }
-        let b = rows.len() as i32;
-        let ids: Vec<i32> = rows.iter().flat_map(|r| r.tokens.iter().map(|&x| x as i32)).collect();
-        let ids = Array::from_slice(&ids, &[b, t as i32]);
         let mut x = self.embed.forward(&ids)?;
         let step = StepContext::new(mode, seqs, starts, masked, t, &self.rope, self.faults.get());
         for (layer, block) in self.blocks.iter().enumerate() {
@@ -214,12 +240,9 @@ impl Model {
             x = x.add(&h)?;
         }
         // Only the selected position of each row goes through the final norm and the head.
-        let x = if t == 1 {
-            x.squeeze_axes(&[1])?
-        } else {
-            let pick: Vec<i32> = rows.iter().map(|r| r.logits_at as i32).collect();
-            let pick = Array::from_slice(&pick, &[b, 1, 1]);
-            x.take_along_axis(&pick, 1)?.squeeze_axes(&[1])?
+        let x = match pick {
+            None => x.squeeze_axes(&[1])?,
+            Some(pick) => x.take_along_axis(&Array::from_slice(&pick, &[b, 1, 1]), 1)?.squeeze_axes(&[1])?,
         };
         let x = self.norm.forward(&x)?;
         let logits = match &self.lm_head {
