@@ -36,6 +36,7 @@ fn every_fault_is_caught_on_the_llama_fixture_and_the_clean_run_passes() {
     assert!(caught_by("pad-unmasked", "padded"));
     assert!(caught_by("batch-row-swap", "batch2"));
     assert!(caught_by("cow-skipped", "prefix"));
+    assert!(caught_by("ragged-mask-wide", "batch2") && caught_by("ragged-mask-wide", "concurrent"));
     let table = selftest::render(&report);
-    assert!(table.contains("PASS: 8 of 8 faults caught"), "{table}");
+    assert!(table.contains("PASS: 9 of 9 faults caught"), "{table}");
 }

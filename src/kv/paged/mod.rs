@@ -64,9 +64,10 @@ pub struct PagedBlockPool {
     peak_blocks: usize,
     faults: Faults,
     /// The last batched write's and read's row indices, keyed by the indices themselves (with
-    /// the store size, which head-major indices depend on): every layer of a step reuses them.
+    /// the batch size, and the store size head-major indices depend on): every layer of a step
+    /// reuses them.
     write_rows: Memo<Vec<i32>, Array>,
-    read_plan: Memo<(Vec<i32>, usize), Plan>,
+    read_plan: Memo<(Vec<i32>, usize, usize), Plan>,
 }
 
 impl PagedBlockPool {
@@ -225,7 +226,7 @@ impl PagedBlockPool {
             flat.extend_from_slice(r);
             flat.extend(std::iter::repeat_n(r[0], w - r.len()));
         }
-        let plan = self.read_plan.get_or_try((flat, self.store.rows()), |(flat, _)| {
+        let plan = self.read_plan.get_or_try((flat, rows.len(), self.store.rows()), |(flat, _, _)| {
             let contiguous = flat.windows(2).all(|p| p[1] == p[0] + 1);
             Ok(if rows.len() == 1 && contiguous {
                 Plan::Span(flat[0] as usize, flat.len())
