@@ -87,8 +87,8 @@ def greedy_run(model, ids, steps, timed):
     mx.eval(token)
     t2 = time.perf_counter()
 
-    # Each step waits for its token on the host before building the next input, as parity
-    # does; mlx-lm's generate_step would instead queue step n+1 before reading token n.
+    # Each step waits for its token on the host before building the next input, as parity's
+    # engine loop does; generate_step (and parity's bench) queue step n+1 before reading token n.
     tokens = [token.item()]
     for _ in range(steps):
         logits = model(mx.array([[tokens[-1]]], dtype=mx.uint32), cache=cache)[:, -1, :]
