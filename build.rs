@@ -2,9 +2,44 @@
 //! library path. The patched mlx-sys publishes its directory (DEP_MLX_LIBDIR); an rpath makes
 //! every binary this package builds (CLI, tests, benches) find it without LD_LIBRARY_PATH.
 //! On macOS the stock mlx-sys links MLX statically and publishes no libdir.
+//!
+//! Every build also records the git commit it was built from (`-dirty` with uncommitted
+//! changes to tracked files) for `--version` and the JSON report: a bisect log or a nightly
+//! report must say which build produced it.
+use std::process::Command;
+
+fn git(args: &[&str]) -> Option<String> {
+    let out = Command::new("git").args(["--no-optional-locks"]).args(args).output().ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_MLX_LIBDIR");
     if let Ok(dir) = std::env::var("DEP_MLX_LIBDIR") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+    }
+
+    let commit = match git(&["rev-parse", "--short=12", "HEAD"]) {
+        Some(c) => {
+            let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+            if dirty { format!("{c}-dirty") } else { c }
+        }
+        None => "unknown".to_string(),
+    };
+    println!("cargo:rustc-env=PARITY_GIT_COMMIT={commit}");
+    // Rebuild the stamp when HEAD moves or tracked files change (naming any path disables
+    // cargo's default of re-running on every package file, so the sources are listed too).
+    for p in ["HEAD", "index", "packed-refs"] {
+        if let Some(path) = git(&["rev-parse", "--git-path", p]) {
+            println!("cargo:rerun-if-changed={path}");
+        }
+    }
+    if let Some(head) = git(&["symbolic-ref", "-q", "HEAD"])
+        && let Some(path) = git(&["rev-parse", "--git-path", &head])
+    {
+        println!("cargo:rerun-if-changed={path}");
+    }
+    for p in ["src", "tests", "Cargo.toml", "Cargo.lock", "build.rs"] {
+        println!("cargo:rerun-if-changed={p}");
     }
 }

@@ -6,11 +6,12 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::engine::builtin::{Builtin, BuiltinPath};
 use crate::error::Result;
 use crate::faults::Faults;
 use crate::kv::{Backend, KvCache, KvStats};
 use crate::model::{AttentionMode, Model, RowStep};
-use crate::scenario::{Harness, Settings};
+use crate::scenario::Settings;
 
 /// Prompt ids shared with `ci/bench_mlx_lm.py`, so both runtimes do the same computation.
 pub fn prompt_ids(len: usize, vocab: usize) -> Vec<u32> {
@@ -61,14 +62,6 @@ pub struct BenchRow {
     pub kv: KvStats,
     /// Greedy tokens of every batch row (first repetition), to check all paths computed the same.
     pub tokens: Vec<Vec<u32>>,
-}
-
-/// The builtin path name of a backend and attention mode.
-pub fn path_name(backend: Backend, attention: AttentionMode) -> String {
-    match attention {
-        AttentionMode::Batched => backend.name().to_string(),
-        AttentionMode::RowByRow => format!("{}-rowwise", backend.name()),
-    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -138,39 +131,32 @@ fn push(tokens: &mut [Vec<u32>], ids: &mlx_rs::Array) -> Result<()> {
     Ok(())
 }
 
-pub fn bench(
-    model: &Model,
-    backends: &[Backend],
-    modes: &[AttentionMode],
-    batches: &[usize],
-    o: BenchOptions,
-) -> Result<Vec<BenchRow>> {
+pub fn bench(model: &Model, paths: &[BuiltinPath], batches: &[usize], o: BenchOptions) -> Result<Vec<BenchRow>> {
     let settings = Settings { block_size: o.block_size, poison: false, ..Settings::default() };
-    let h = Harness::new(model, settings, Faults::NONE);
-    let paths: Vec<(AttentionMode, Backend)> =
-        modes.iter().flat_map(|&m| backends.iter().map(move |&b| (m, b))).collect();
+    let builtin = |path: BuiltinPath| Builtin::new(model, path, &settings);
     let mut rows = Vec::new();
     for &batch in batches {
         let lengths = ragged_lengths(o.prompt_len, batch);
         // Warm-up: first-touch allocation and MLX's lazy initialisation, not measured.
-        for &(mode, backend) in &paths {
-            once(model, h.kv(backend)?.as_mut(), &lengths, o.decode.min(4), mode)?;
+        for &path in paths {
+            once(model, builtin(path).kv(Faults::NONE)?.as_mut(), &lengths, o.decode.min(4), path.attention)?;
         }
         // Repetitions alternate the paths, so drift in a shared machine's speed lands on all
         // sides of a ratio instead of on one.
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); paths.len()];
         for _ in 0..o.reps.max(1) {
-            for (i, &(mode, backend)) in paths.iter().enumerate() {
-                samples[i].push(once(model, h.kv(backend)?.as_mut(), &lengths, o.decode, mode)?);
+            for (i, &path) in paths.iter().enumerate() {
+                let mut kv = builtin(path).kv(Faults::NONE)?;
+                samples[i].push(once(model, kv.as_mut(), &lengths, o.decode, path.attention)?);
             }
         }
-        for (&(attention, backend), s) in paths.iter().zip(samples) {
+        for (&path, s) in paths.iter().zip(samples) {
             let kv = s.last().map(|x| x.3).unwrap_or_default();
             let tokens = s.first().map(|x| x.4.clone()).unwrap_or_default();
             rows.push(BenchRow {
-                path: path_name(backend, attention),
-                backend,
-                attention,
+                path: path.name(),
+                backend: path.backend,
+                attention: path.attention,
                 batch,
                 prompt_lengths: lengths.clone(),
                 prefill_tps: Spread::of(s.iter().map(|x| x.0).collect()),

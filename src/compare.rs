@@ -220,3 +220,26 @@ pub fn compare(reference: &Trace, path: &PathTrace, dtype: DtypeName, tolerance:
 pub fn nan_max(a: f32, b: f32) -> f32 {
     if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) }
 }
+
+/// The first step whose logits hold a NaN or an infinity, if any: one reduction on the device
+/// over every step, one small host copy.
+///
+/// A non-finite *reference* is not a KV bug (the reference reads no pool): the checkpoint or
+/// the runtime produces it, and blaming the pool would send an engineer to the wrong code.
+pub fn first_non_finite(logits: &[Array]) -> Result<Option<usize>> {
+    if logits.is_empty() {
+        return Ok(None);
+    }
+    let all = mlx_rs::ops::stack(logits, 0)?;
+    let finite = all.is_finite()?.all_axis(-1, false)?;
+    finite.eval()?;
+    Ok(finite.as_slice::<bool>().iter().position(|&ok| !ok))
+}
+
+/// [`first_non_finite`] as an error naming the step: `what` says whose logits they are.
+pub fn require_finite(what: &'static str, logits: &[Array]) -> Result<()> {
+    match first_non_finite(logits)? {
+        None => Ok(()),
+        Some(step) => Err(Error::NonFinite { what, step }),
+    }
+}

@@ -21,6 +21,11 @@ pub enum Error {
     #[error("{file}: {message}")]
     Weights { file: PathBuf, message: String },
 
+    /// Every problem the loaders found in one pass; the first line is a complete sentence
+    /// (reports show only it), one line per problem follows.
+    #[error("{} with the tensors config.json describes (first: {})\n{}", count(problems.len()), first(problems), problem_list(problems))]
+    Checkpoint { dir: PathBuf, problems: Vec<crate::checkpoint::weights::Problem> },
+
     #[error("{file}: {message}")]
     Tokenizer { file: PathBuf, message: String },
 
@@ -44,6 +49,15 @@ pub enum Error {
     #[error("KV cache: {0}")]
     Kv(String),
 
+    /// NaN or inf where only the checkpoint or the runtime can have put it (see
+    /// `compare::first_non_finite`).
+    #[error("{what} are not finite at step {step}: the checkpoint or the runtime produces NaN/inf")]
+    NonFinite { what: &'static str, step: usize },
+
+    /// The pool's books do not balance (a leak or a refcount mismatch), with the block ids.
+    #[error("KV pool books: {0}")]
+    Books(String),
+
     #[error("mlx: {0}")]
     Mlx(String),
 
@@ -54,6 +68,28 @@ pub enum Error {
 
     #[error("{0}")]
     Invalid(String),
+
+    /// The path cannot do what a case needs (no left padding, no prefix sharing, a batch too
+    /// large): the case is skipped with this sentence, never failed and never silently passed.
+    #[error("{0}")]
+    Unsupported(String),
+
+    /// An engine outside parity (an adapter process) failed: what it was asked, what went
+    /// wrong, and the tail of its stderr.
+    #[error("engine {engine}, path `{path}`: {message}")]
+    Engine { engine: String, path: String, message: String },
+}
+
+fn count(n: usize) -> String {
+    if n == 1 { "1 problem".into() } else { format!("{n} problems") }
+}
+
+fn first(p: &[crate::checkpoint::weights::Problem]) -> String {
+    p.first().map(ToString::to_string).unwrap_or_default()
+}
+
+fn problem_list(p: &[crate::checkpoint::weights::Problem]) -> String {
+    p.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n")
 }
 
 fn searched_list(p: &[PathBuf]) -> String {

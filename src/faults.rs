@@ -26,6 +26,9 @@ pub enum Fault {
     BatchRowSwap,
     /// A write into a block shared with another sequence skips the copy-on-write.
     CowSkipped,
+    /// Paged release forgets the sequence but never frees its blocks: same tokens, but the
+    /// pool leaks until a real engine runs out of KV blocks. Only the books audit sees it.
+    BlockLeak,
     /// The batched attention mask is one key too wide for a row shorter than the batch's
     /// longest: it sees the filler column just past its end.
     RaggedMaskWide,
@@ -40,6 +43,7 @@ pub const ALL: &[Fault] = &[
     Fault::PadUnmasked,
     Fault::BatchRowSwap,
     Fault::CowSkipped,
+    Fault::BlockLeak,
     Fault::RaggedMaskWide,
 ];
 
@@ -54,6 +58,7 @@ impl Fault {
             Fault::PadUnmasked => "pad-unmasked",
             Fault::BatchRowSwap => "batch-row-swap",
             Fault::CowSkipped => "cow-skipped",
+            Fault::BlockLeak => "block-leak",
             Fault::RaggedMaskWide => "ragged-mask-wide",
         }
     }

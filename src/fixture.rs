@@ -92,7 +92,11 @@ pub fn materialize(spec_path: &Path) -> Result<PathBuf> {
     if dir.join("config.json").is_file() {
         return Ok(dir);
     }
-    let tmp = base.join(format!(".tmp-{stem}-{}", std::process::id()));
+    // Unique per thread too: tests generate the same fixture from several threads of one
+    // process, and a shared scratch directory was deleted under another thread's feet.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = base.join(format!(".tmp-{stem}-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     write_checkpoint(&spec, &tmp)?;

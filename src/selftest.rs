@@ -45,10 +45,6 @@ impl SelftestReport {
     }
 }
 
-pub fn row_id(r: &Row) -> String {
-    format!("{}/{}/{}:{}/{}", r.checkpoint, r.prompt, r.scenario, r.case, r.backend)
-}
-
 /// One line locating a row's failure: the divergence in layout terms, else the failure text.
 pub fn location(r: &Row) -> String {
     match &r.first_divergence {
@@ -89,7 +85,7 @@ fn outcome(fault: Fault, report: &Report) -> FaultOutcome {
         if !r.pass && r.verdict != Verdict::Skipped {
             cell.failed_rows += 1;
             if cell.first_row.is_none() {
-                cell.first_row = Some(row_id(r));
+                cell.first_row = Some(r.id());
                 cell.location = Some(location(r));
             }
         }
@@ -110,7 +106,7 @@ pub fn selftest(
         .rows
         .iter()
         .filter(|r| !r.pass && r.verdict != Verdict::Skipped)
-        .map(|r| format!("{}: {}", row_id(r), r.failure.clone().unwrap_or_default()))
+        .map(|r| format!("{}: {}", r.id(), r.failure.clone().unwrap_or_default()))
         .collect();
     let mut outcomes = Vec::new();
     for &f in faults_to_plant {

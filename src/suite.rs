@@ -4,7 +4,14 @@
 //! Every mistake is reported with file, line and column before anything runs: unknown keys and
 //! wrong types by the TOML deserializer, semantic checks (positive sizes, tile a multiple of
 //! 8, known scenario names) against the span of the offending value.
+//!
+//! Suites are untrusted input (fuzzed: see `fuzz/`). Names become file names, so they must be
+//! plain file-name components ([`crate::names`]); sizes have an upper bound, so no value can
+//! make a run allocate without limit; settings that would make a scenario test nothing are
+//! errors ([`crate::coverage`]).
 
+use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -12,8 +19,82 @@ use toml::Spanned;
 
 use crate::compare::Verdict;
 use crate::dtype::DtypeSetting;
+use crate::engine::builtin::BuiltinPath;
 use crate::kv::Backend;
 use crate::scenario::{self, Scenario, Settings};
+
+/// Which engine serves a checkpoint's paths (`[engine]`, or `engine = {...}` on a checkpoint).
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineSpec {
+    /// parity's own runtime: paths `dense` and `paged` (batched attention) unless the suite
+    /// also names `dense-rowwise`, `paged-rowwise`; reference `dense`.
+    Builtin,
+    /// An adapter process per path, speaking the step protocol (docs/step-protocol.md).
+    Process(ProcessSpec),
+}
+
+impl EngineSpec {
+    /// The paths a checkpoint runs when the suite names none, in the order written.
+    pub fn path_names(&self) -> Vec<String> {
+        match self {
+            EngineSpec::Builtin => BuiltinPath::DEFAULT.iter().map(|p| p.name()).collect(),
+            EngineSpec::Process(p) => p.paths.iter().map(|(n, _)| n.clone()).collect(),
+        }
+    }
+
+    /// Every path a suite may name for this engine.
+    pub fn known_paths(&self) -> Vec<String> {
+        match self {
+            EngineSpec::Builtin => BuiltinPath::ALL.iter().map(|p| p.name()).collect(),
+            EngineSpec::Process(_) => self.path_names(),
+        }
+    }
+
+    pub fn reference(&self) -> ReferenceSpec {
+        match self {
+            EngineSpec::Builtin => ReferenceSpec::Builtin(BuiltinPath::batched(Backend::Dense)),
+            EngineSpec::Process(p) => p.reference.clone(),
+        }
+    }
+
+    /// parity must load the weights itself (a builtin path or a builtin reference).
+    pub fn needs_builtin(&self) -> bool {
+        matches!(self.reference(), ReferenceSpec::Builtin(_)) || matches!(self, EngineSpec::Builtin)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProcessSpec {
+    /// argv template: `{model}`, `{path}`, `{suite_dir}`, `{parity}` are substituted.
+    pub command: Vec<String>,
+    /// Path name and the extra arguments appended to `command` for it.
+    pub paths: Vec<(String, Vec<String>)>,
+    pub reference: ReferenceSpec,
+    /// Longest any one request may take.
+    pub timeout: std::time::Duration,
+    /// Longest from spawn to the hello reply (model load).
+    pub start_timeout: std::time::Duration,
+}
+
+/// Where a checkpoint's references come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReferenceSpec {
+    /// A path of the checkpoint's own engine.
+    Path(String),
+    /// A path of parity's builtin runtime on the same checkpoint (`builtin:dense`): an engine
+    /// checked against an independent implementation, not only against itself.
+    Builtin(BuiltinPath),
+}
+
+impl ReferenceSpec {
+    /// As reports print it: `dense (builtin)` or `KVCache`.
+    pub fn describe(&self) -> String {
+        match self {
+            ReferenceSpec::Path(p) => p.clone(),
+            ReferenceSpec::Builtin(b) => format!("builtin:{}", b.name()),
+        }
+    }
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct SuiteError {
@@ -63,7 +144,9 @@ pub struct CheckpointSpec {
     pub reference: String,
     pub dtype: DtypeSetting,
     pub dequantize: bool,
-    pub backends: Vec<Backend>,
+    pub engine: EngineSpec,
+    /// The engine paths this checkpoint runs (`backends` in the suite), in order.
+    pub paths: Vec<String>,
     pub scenarios: Vec<Scenario>,
     pub settings: Settings,
     pub tolerance: Tolerance,
@@ -79,6 +162,26 @@ pub struct Suite {
     pub checkpoints: Vec<CheckpointSpec>,
 }
 
+impl CheckpointSpec {
+    /// The builtin KV stores among this checkpoint's paths, for checks that only matter to a
+    /// block pool. Another engine's paths are known only once started (their `hello` says
+    /// whether they are paged), so none of them counts here.
+    pub fn kv_backends(&self) -> Vec<Backend> {
+        match self.engine {
+            EngineSpec::Builtin => {
+                let mut kv: Vec<Backend> = Vec::new();
+                for p in self.paths.iter().filter_map(|p| p.parse::<BuiltinPath>().ok()) {
+                    if !kv.contains(&p.backend) {
+                        kv.push(p.backend);
+                    }
+                }
+                kv
+            }
+            EngineSpec::Process(_) => Vec::new(),
+        }
+    }
+}
+
 impl Suite {
     /// The directory relative checkpoint paths are resolved against.
     pub fn dir(&self) -> PathBuf {
@@ -91,11 +194,12 @@ impl Suite {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawSuite {
-    name: Option<String>,
+    name: Option<Spanned<String>>,
     #[allow(dead_code)]
     description: Option<String>,
     dtype: Option<Spanned<String>>,
     dequantize: Option<bool>,
+    engine: Option<Spanned<RawEngine>>,
     backends: Option<Vec<Spanned<String>>>,
     scenarios: Option<Vec<Spanned<String>>>,
     settings: Option<SettingsPatch>,
@@ -119,16 +223,51 @@ struct RawPrompt {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawCheckpoint {
-    name: Option<String>,
+    name: Option<Spanned<String>>,
     path: Option<Spanned<String>>,
     repo: Option<Spanned<String>>,
     dtype: Option<Spanned<String>>,
     dequantize: Option<bool>,
+    engine: Option<Spanned<RawEngine>>,
     backends: Option<Vec<Spanned<String>>>,
     scenarios: Option<Vec<Spanned<String>>>,
     prompts: Option<Vec<Spanned<String>>>,
     settings: Option<SettingsPatch>,
     tolerance: Option<TolerancePatch>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEngine {
+    kind: Spanned<String>,
+    command: Option<Spanned<Vec<String>>>,
+    paths: Option<Spanned<OrderedPaths>>,
+    reference: Option<Spanned<String>>,
+    timeout: Option<Spanned<f64>>,
+    start_timeout: Option<Spanned<f64>>,
+}
+
+/// `[engine.paths]` in the order written (it decides the order paths run and are reported).
+struct OrderedPaths(Vec<(String, Vec<String>)>);
+
+impl<'de> Deserialize<'de> for OrderedPaths {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = OrderedPaths;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a table of path name = [extra arguments]")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<OrderedPaths, A::Error> {
+                let mut out = Vec::new();
+                while let Some((k, v)) = map.next_entry::<String, Vec<String>>()? {
+                    out.push((k, v));
+                }
+                Ok(OrderedPaths(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
 }
 
 /// Settings as a suite or checkpoint writes them: each key optional, applied over defaults.
@@ -167,6 +306,14 @@ struct Ctx<'a> {
     text: &'a str,
 }
 
+/// Largest count any size, length or step setting may hold: beyond any context parity can run,
+/// and small enough that no value in a suite can make a run allocate without bound.
+pub const MAX_COUNT: usize = 1 << 24;
+
+/// Where each effective setting was written (suite level or checkpoint override), so a check
+/// that involves several settings can point at the one the suite actually set.
+type SettingSpans = BTreeMap<&'static str, Range<usize>>;
+
 impl Ctx<'_> {
     fn err(&self, span: std::ops::Range<usize>, message: impl Into<String>) -> SuiteError {
         let (line, column) = line_col(self.text, span.start);
@@ -180,15 +327,26 @@ impl Ctx<'_> {
             let what = if allow_zero { "must not be negative" } else { "must be positive" };
             return Err(self.err(v.span(), format!("{key}: {n} {what}")));
         }
+        if n as u64 > MAX_COUNT as u64 {
+            return Err(self.err(v.span(), format!("{key}: {n} is larger than the limit of {MAX_COUNT}")));
+        }
         Ok(Some(n as usize))
     }
 
-    fn apply(&self, p: &SettingsPatch, s: &mut Settings) -> Result<(), SuiteError> {
-        let set = |dst: &mut usize, key: &str, v: &Option<Spanned<i64>>, zero: bool| -> Result<(), SuiteError> {
+    /// A name that becomes (part of) a file name: one plain component, or an error at `span`.
+    fn file_name(&self, what: &str, name: &str, span: Range<usize>) -> Result<(), SuiteError> {
+        crate::names::check_component(name).map_err(|why| {
+            self.err(span, format!("{what} `{}` {why}: names become report file names", name.escape_debug()))
+        })
+    }
+
+    fn apply(&self, p: &SettingsPatch, s: &mut Settings, spans: &mut SettingSpans) -> Result<(), SuiteError> {
+        let mut set = |dst: &mut usize, key: &'static str, v: &Option<Spanned<i64>>, zero: bool| {
             if let Some(n) = self.positive(key, v, zero)? {
                 *dst = n;
+                spans.insert(key, v.as_ref().map(|v| v.span()).unwrap_or(0..0));
             }
-            Ok(())
+            Ok::<(), SuiteError>(())
         };
         set(&mut s.max_tokens, "settings.max_tokens", &p.max_tokens, false)?;
         set(&mut s.block_size, "settings.block_size", &p.block_size, false)?;
@@ -204,22 +362,56 @@ impl Ctx<'_> {
         if let Some(b) = p.poison {
             s.poison = b;
         }
-        if let Some(n) = self.positive("settings.pool_blocks", &p.pool_blocks, false)? {
-            s.pool_blocks = Some(n);
-        }
         if let Some(c) = &p.concurrent {
             set(&mut s.concurrent.requests, "settings.concurrent.requests", &c.requests, false)?;
             set(&mut s.concurrent.max_batch, "settings.concurrent.max_batch", &c.max_batch, false)?;
             if let Some(a) = &c.arrivals {
-                if a.get_ref().is_empty() || a.get_ref().iter().any(|&x| x < 0) {
-                    return Err(
-                        self.err(a.span(), "settings.concurrent.arrivals: needs at least one step, none negative")
-                    );
+                if a.get_ref().is_empty() || a.get_ref().iter().any(|&x| x < 0 || x as u64 > MAX_COUNT as u64) {
+                    return Err(self.err(
+                        a.span(),
+                        format!("settings.concurrent.arrivals: needs at least one step, each from 0 to {MAX_COUNT}"),
+                    ));
                 }
                 s.concurrent.arrivals = a.get_ref().iter().map(|&x| x as usize).collect();
+                spans.insert("settings.concurrent.arrivals", a.span());
             }
         }
+        if let Some(n) = self.positive("settings.pool_blocks", &p.pool_blocks, false)? {
+            s.pool_blocks = Some(n);
+            spans.insert("settings.pool_blocks", p.pool_blocks.as_ref().map(|v| v.span()).unwrap_or(0..0));
+        }
         Ok(())
+    }
+
+    /// Settings that make one of the checkpoint's scenarios test nothing (see
+    /// [`crate::coverage`]), reported at the first involved setting the suite wrote, else at
+    /// the checkpoint.
+    fn coverage(
+        &self,
+        c: &CheckpointSpec,
+        prompts: &[PromptSpec],
+        spans: &SettingSpans,
+        fallback: Range<usize>,
+    ) -> Result<(), SuiteError> {
+        // Lengths are known before any tokenizer runs when every prompt fixes its length.
+        let lengths: Option<Vec<usize>> = prompts
+            .iter()
+            .filter(|p| c.prompts.contains(&p.name))
+            .map(|p| match (&p.length, &p.source) {
+                (Some(n), _) => Some(*n),
+                (None, PromptSource::Ids(ids)) => Some(ids.len()),
+                _ => None,
+            })
+            .collect();
+        let problems =
+            crate::coverage::settings_problems(&c.settings, &c.scenarios, &c.kv_backends(), lengths.as_deref());
+        match problems.into_iter().next() {
+            None => Ok(()),
+            Some(p) => {
+                let span = p.keys.iter().find_map(|k| spans.get(k).cloned()).unwrap_or(fallback);
+                Err(self.err(span, format!("{} (checkpoint `{}`)", p.message, c.name)))
+            }
+        }
     }
 
     fn tolerance(&self, p: &Option<TolerancePatch>, t: &mut Tolerance) -> Result<(), SuiteError> {
@@ -252,8 +444,106 @@ impl Ctx<'_> {
             .collect()
     }
 
-    fn backends(&self, list: &[Spanned<String>]) -> Result<Vec<Backend>, SuiteError> {
-        list.iter().map(|b| b.get_ref().parse().map_err(|e: String| self.err(b.span(), e))).collect()
+    /// Path names a checkpoint runs: each must be a path of its engine, none twice.
+    fn paths(&self, list: &[Spanned<String>], engine: &EngineSpec) -> Result<Vec<String>, SuiteError> {
+        let known = engine.known_paths();
+        let mut out: Vec<String> = Vec::new();
+        for b in list {
+            let name = b.get_ref();
+            if !known.contains(name) {
+                return Err(self.err(b.span(), format!("unknown path `{name}`; this engine has {}", known.join(", "))));
+            }
+            if out.contains(name) {
+                return Err(self.err(b.span(), format!("path `{name}` is listed twice")));
+            }
+            out.push(name.clone());
+        }
+        Ok(out)
+    }
+
+    fn engine(&self, raw: &Spanned<RawEngine>) -> Result<EngineSpec, SuiteError> {
+        let e = raw.get_ref();
+        let only_process = |what: &str, span: std::ops::Range<usize>| {
+            self.err(span, format!("engine.{what} is only for kind = \"process\""))
+        };
+        match e.kind.get_ref().as_str() {
+            "builtin" => {
+                if let Some(c) = &e.command {
+                    return Err(only_process("command", c.span()));
+                }
+                if let Some(p) = &e.paths {
+                    return Err(only_process("paths", p.span()));
+                }
+                if let Some(r) = &e.reference {
+                    return Err(only_process("reference", r.span()));
+                }
+                Ok(EngineSpec::Builtin)
+            }
+            "process" => {
+                let command = e
+                    .command
+                    .as_ref()
+                    .ok_or_else(|| self.err(raw.span(), "engine: kind = \"process\" needs `command` (an argv list)"))?;
+                if command.get_ref().is_empty() || command.get_ref()[0].is_empty() {
+                    return Err(self.err(command.span(), "engine.command: give the program and its arguments"));
+                }
+                let paths = e.paths.as_ref().ok_or_else(|| {
+                    self.err(raw.span(), "engine: kind = \"process\" needs [engine.paths] (name = [extra arguments])")
+                })?;
+                if paths.get_ref().0.is_empty() {
+                    return Err(self.err(paths.span(), "engine.paths: name at least one path"));
+                }
+                // A path name is part of report ids and file names: one plain component.
+                for (name, _) in &paths.get_ref().0 {
+                    if let Err(why) = crate::names::check_component(name) {
+                        return Err(self.err(paths.span(), format!("engine.paths: `{name}` {why}")));
+                    }
+                }
+                let names: Vec<&str> = paths.get_ref().0.iter().map(|(n, _)| n.as_str()).collect();
+                let reference = match &e.reference {
+                    None => ReferenceSpec::Path(names[0].to_string()),
+                    Some(r) => match r.get_ref().strip_prefix("builtin:") {
+                        Some(b) => ReferenceSpec::Builtin(
+                            b.parse().map_err(|m: String| self.err(r.span(), format!("engine.reference: {m}")))?,
+                        ),
+                        None if names.contains(&r.get_ref().as_str()) => ReferenceSpec::Path(r.get_ref().clone()),
+                        None => {
+                            let builtin: Vec<String> =
+                                BuiltinPath::ALL.iter().map(|p| format!("builtin:{}", p.name())).collect();
+                            return Err(self.err(
+                                r.span(),
+                                format!(
+                                    "engine.reference: `{}` is not a path of this engine ({}) nor {}",
+                                    r.get_ref(),
+                                    names.join(", "),
+                                    builtin.join(" / ")
+                                ),
+                            ));
+                        }
+                    },
+                };
+                Ok(EngineSpec::Process(ProcessSpec {
+                    command: command.get_ref().clone(),
+                    paths: paths.get_ref().0.clone(),
+                    reference,
+                    timeout: self.seconds("engine.timeout", &e.timeout, 120.0)?,
+                    start_timeout: self.seconds("engine.start_timeout", &e.start_timeout, 300.0)?,
+                }))
+            }
+            other => {
+                Err(self
+                    .err(e.kind.span(), format!("engine.kind: unknown kind `{other}`; expected builtin or process")))
+            }
+        }
+    }
+
+    fn seconds(&self, key: &str, v: &Option<Spanned<f64>>, default: f64) -> Result<std::time::Duration, SuiteError> {
+        let Some(v) = v else { return Ok(std::time::Duration::from_secs_f64(default)) };
+        let x = *v.get_ref();
+        if !(x.is_finite() && x > 0.0 && x <= 86_400.0) {
+            return Err(self.err(v.span(), format!("{key}: {x} must be a number of seconds in (0, 86400]")));
+        }
+        Ok(std::time::Duration::from_secs_f64(x))
     }
 }
 
@@ -285,18 +575,30 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
     })?;
 
     let suite_dtype = raw.dtype.as_ref().map(|d| cx.dtype(d)).transpose()?.unwrap_or(DtypeSetting::Float32);
-    let suite_backends = match &raw.backends {
-        Some(b) => cx.backends(b)?,
-        None => vec![Backend::Dense, Backend::Paged],
+    let suite_engine = match &raw.engine {
+        Some(e) => cx.engine(e)?,
+        None => EngineSpec::Builtin,
     };
     let suite_scenarios = match &raw.scenarios {
         Some(s) => cx.scenarios(s)?,
         None => scenario::ALL.to_vec(),
     };
     let mut suite_settings = Settings::default();
+    let mut suite_spans = SettingSpans::new();
     if let Some(p) = &raw.settings {
-        cx.apply(p, &mut suite_settings)?;
+        cx.apply(p, &mut suite_settings, &mut suite_spans)?;
     }
+    let name = match &raw.name {
+        Some(n) => {
+            cx.file_name("suite name", n.get_ref(), n.span())?;
+            n.get_ref().clone()
+        }
+        None => {
+            let stem = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            cx.file_name("suite name (from the file name; set `name`)", &stem, 0..0)?;
+            stem
+        }
+    };
 
     if raw.prompts.is_empty() {
         return Err(cx.err(0..0, "no [[prompts]]: a suite needs at least one prompt"));
@@ -306,6 +608,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
         let span = p.span();
         let p = p.get_ref();
         let name = p.name.get_ref().clone();
+        cx.file_name("prompt name", &name, p.name.span())?;
         if prompts.iter().any(|q| q.name == name) {
             return Err(cx.err(p.name.span(), format!("prompt `{name}` is defined twice")));
         }
@@ -333,7 +636,18 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             (None, Some(r)) => r.get_ref().clone(),
             _ => return Err(cx.err(span, "checkpoint: give exactly one of path or repo")),
         };
-        let name = c.name.clone().unwrap_or_else(|| default_name(&reference));
+        let name = match &c.name {
+            Some(n) => {
+                cx.file_name("checkpoint name", n.get_ref(), n.span())?;
+                n.get_ref().clone()
+            }
+            None => {
+                let name = default_name(&reference);
+                let at = c.path.as_ref().or(c.repo.as_ref()).map(|v| v.span()).unwrap_or(span.clone());
+                cx.file_name("checkpoint name (from its path or repo; set `name`)", &name, at)?;
+                name
+            }
+        };
         if checkpoints.iter().any(|k| k.name == name) {
             return Err(cx.err(span, format!("checkpoint name `{name}` is used twice; set `name`")));
         }
@@ -342,8 +656,9 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             None => suite_dtype,
         };
         let mut settings = suite_settings.clone();
+        let mut spans = suite_spans.clone();
         if let Some(p) = &c.settings {
-            cx.apply(p, &mut settings)?;
+            cx.apply(p, &mut settings, &mut spans)?;
         }
         let mut tolerance = default_tolerance(dtype);
         cx.tolerance(&raw.tolerance, &mut tolerance)?;
@@ -361,15 +676,21 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             }
             None => prompts.iter().map(|p| p.name.clone()).collect(),
         };
-        checkpoints.push(CheckpointSpec {
+        let engine = match &c.engine {
+            Some(e) => cx.engine(e)?,
+            None => suite_engine.clone(),
+        };
+        let paths = match c.backends.as_ref().or(raw.backends.as_ref()) {
+            Some(b) => cx.paths(b, &engine)?,
+            None => engine.path_names(),
+        };
+        let spec = CheckpointSpec {
             name,
             reference,
             dtype,
             dequantize: c.dequantize.or(raw.dequantize).unwrap_or(false),
-            backends: match &c.backends {
-                Some(b) => cx.backends(b)?,
-                None => suite_backends.clone(),
-            },
+            engine,
+            paths,
             scenarios: match &c.scenarios {
                 Some(s) => cx.scenarios(s)?,
                 None => suite_scenarios.clone(),
@@ -377,10 +698,11 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             settings,
             tolerance,
             prompts: prompt_names,
-        });
+        };
+        cx.coverage(&spec, &prompts, &spans, span)?;
+        checkpoints.push(spec);
     }
 
-    let name = raw.name.unwrap_or_else(|| file.file_stem().and_then(|s| s.to_str()).unwrap_or("suite").to_string());
     Ok(Suite { name, file: file.to_path_buf(), prompts, checkpoints })
 }
 
@@ -420,9 +742,14 @@ pub fn expand_env(s: &str) -> Result<String, String> {
     Ok(out)
 }
 
-/// 1-based line and column of a byte offset.
+/// 1-based line and column of a byte offset. An offset inside a multi-byte character counts
+/// from that character's start (TOML error spans are not guaranteed to fall on a boundary).
 fn line_col(text: &str, offset: usize) -> (usize, usize) {
-    let before = &text[..offset.min(text.len())];
+    let mut end = offset.min(text.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let before = &text[..end];
     let line = before.matches('\n').count() + 1;
     let column = before.rsplit('\n').next().map(|l| l.chars().count()).unwrap_or(0) + 1;
     (line, column)

@@ -3,28 +3,9 @@
 
 mod common;
 
+use common::{code, command, parity, text};
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-/// The binary as the tests run it: on the CPU (the accepted snapshots are CPU ones, also on a
-/// Mac), never accepting snapshots because of the caller's environment.
-fn command() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_parity"));
-    c.current_dir(common::repo()).env("PARITY_DEVICE", "cpu").env_remove("PARITY_UPDATE").env_remove("INSTA_UPDATE");
-    c
-}
-
-fn parity(args: &[&str]) -> Output {
-    command().args(args).output().expect("run parity")
-}
-
-fn code(o: &Output) -> i32 {
-    o.status.code().unwrap_or(-1)
-}
-
-fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
 
 fn snapshots(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     let mut v: Vec<(PathBuf, Vec<u8>)> = std::fs::read_dir(dir)
@@ -51,11 +32,20 @@ fn snapshots_are_written_for_review_then_stable_once_accepted() {
     assert_eq!(code(&o), 1, "{}", text(&o));
     let dir = reports.join("fixtures");
     assert!(snapshots(&dir).iter().all(|(p, _)| p.to_string_lossy().ends_with(".snap.new")));
-    // `review` shows them and exits 1 (pending); `accept` accepts.
+    // `review` shows them and exits 0 (reviewing is reading; README's `parity review S &&
+    // parity accept S` must reach the accept); `reject --only` drops one; `accept` the rest.
     let o = parity(&["review", dir.to_str().unwrap()]);
-    assert_eq!(code(&o), 1);
+    assert_eq!(code(&o), 0, "{}", text(&o));
     assert!(text(&o).contains("new snapshot"), "{}", text(&o));
+    assert_eq!(code(&parity(&["reject", dir.to_str().unwrap(), "--only", "llama-tiny__single"])), 0);
+    assert!(!dir.join("llama-tiny__single.snap.new").exists());
+    let o = parity(&["accept", dir.to_str().unwrap(), "--only", "llama-tiny__single"]);
+    assert_eq!(code(&o), 2, "an --only that names nothing pending is an error: {}", text(&o));
+    assert!(text(&o).contains("no pending snapshot of that name"), "{}", text(&o));
     assert_eq!(code(&parity(&["accept", dir.to_str().unwrap()])), 0);
+    assert_eq!(snapshots(&dir).len(), 4);
+    assert_eq!(code(&parity(&args)), 1, "the rejected one is new again");
+    assert_eq!(code(&parity(&["accept", dir.to_str().unwrap(), "--only", "llama-tiny__single.snap"])), 0);
     let accepted = snapshots(&dir);
     assert_eq!(accepted.len(), 5, "3 checkpoints x 2 scenarios, but the 8-bit one runs no rollback");
     // A second run is byte-identical: exit 0, nothing new written.

@@ -7,7 +7,7 @@ use std::path::Path;
 use parity::Error;
 use parity::checkpoint::{self, ModelConfig};
 use parity::dtype::DtypeName;
-use parity::engine;
+use parity::engine::builtin as engine;
 use parity::faults::Faults;
 use parity::kv::{DenseCache, PagedBlockPool, PoolOptions};
 use parity::model::Model;
@@ -20,12 +20,7 @@ fn load_err(dir: &Path) -> String {
     }
 }
 
-fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
-    let path = dir.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    f(&mut v);
-    std::fs::write(&path, v.to_string()).unwrap();
-}
+use common::edit_config;
 
 #[test]
 fn fixtures_of_every_family_load_and_generate() {

@@ -3,7 +3,7 @@
 
 mod common;
 
-use parity::engine;
+use parity::engine::builtin as engine;
 use parity::faults::Faults;
 use parity::kv::{DenseCache, KvCache, PagedBlockPool, PoolOptions};
 use serde_json::Value;

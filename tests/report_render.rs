@@ -94,6 +94,9 @@ fn checkpoint(name: &str, reference: &str, status: CheckpointStatus) -> Checkpoi
             vec![]
         },
         noise_floor: if ran { BTreeMap::from([("len37".to_string(), Some(3.2e-6))]) } else { BTreeMap::new() },
+        engine: None,
+        reference_engine: None,
+        reference_path: None,
     }
 }
 
@@ -154,6 +157,7 @@ fn report() -> Report {
         suite: "qwen3".into(),
         suite_file: "suites/qwen3.toml".into(),
         parity_version: "0.1.0".into(),
+        parity_commit: "0123456789ab".into(),
         environment: Environment {
             mlx_version: "0.25.1".into(),
             device: "cpu".into(),

@@ -5,10 +5,15 @@ mod common;
 
 use parity::compare::{self, Verdict};
 use parity::dtype::DtypeName;
+use parity::engine::builtin::{Builtin, BuiltinPath};
 use parity::faults::Faults;
 use parity::kv::Backend;
-use parity::model::AttentionMode;
-use parity::scenario::{self, Harness, Prompt, Settings};
+use parity::model::Model;
+use parity::scenario::{self, Harness, Outcome, Prompt, Settings};
+
+fn pad(model: &Model) -> u32 {
+    model.config.pad_token_id.or_else(|| model.config.eos_token_ids.first().copied()).unwrap_or(0)
+}
 
 /// Lengths that cross every boundary of block size 4 and tile 8: block-1, block+1, tile-1,
 /// tile+1, an exact multiple, and a longer one.
@@ -32,36 +37,29 @@ fn settings() -> Settings {
     }
 }
 
-/// Both attention modes: batched (the default) and row by row (the reference form).
+/// Every builtin path (both backends, batched and row-by-row attention) against the
+/// simplest correct form: dense, row by row.
 #[test]
-fn every_scenario_matches_the_reference_on_both_backends() {
-    for (fixture, mode) in ["llama-tiny", "qwen3-tiny"]
-        .into_iter()
-        .flat_map(|f| [AttentionMode::Batched, AttentionMode::RowByRow].map(|m| (f, m)))
-    {
+fn every_scenario_matches_the_reference_on_every_path() {
+    let rowwise: BuiltinPath = "dense-rowwise".parse().unwrap();
+    for fixture in ["llama-tiny", "qwen3-tiny"] {
         let (model, _) = common::load(&common::fixture(fixture));
-        model.set_attention_mode(mode);
-        let mut h = Harness::new(&model, settings(), Faults::NONE);
+        let mut reference = Builtin::new(&model, rowwise, &settings());
+        let mut h = Harness::new(&mut reference, settings(), Faults::NONE, pad(&model));
         let prompts = prompts();
         for &sc in scenario::ALL {
-            for backend in [Backend::Dense, Backend::Paged] {
-                let cases = sc
-                    .run(&mut h, backend, &prompts)
-                    .unwrap_or_else(|e| panic!("{fixture} {} {}: {e}", sc.name(), backend.name()));
+            for p in BuiltinPath::ALL {
+                let mut path = Builtin::new(&model, p, &settings());
+                let cases = sc.run(&mut h, &mut path, &prompts);
                 assert!(!cases.is_empty(), "{} produced no cases", sc.name());
                 for c in cases {
+                    assert_eq!(c.outcome, Outcome::Ran, "{fixture} {} {} {}", sc.name(), c.case, p.name());
                     let reference = h.reference(&c.prompt.ids).unwrap();
                     for (row, path) in c.paths.iter().enumerate() {
                         assert!(!path.tokens.is_empty());
                         let cmp = compare::compare(&reference, path, DtypeName::Float32, 1e-3).unwrap();
-                        let what = format!(
-                            "{fixture} {} {} {} {} {} row {row}",
-                            mode.name(),
-                            sc.name(),
-                            c.case,
-                            c.prompt.name,
-                            backend.name()
-                        );
+                        let what =
+                            format!("{fixture} {} {} {} {} row {row}", sc.name(), c.case, c.prompt.name, p.name());
                         assert!(
                             matches!(cmp.verdict, Verdict::Identical | Verdict::NearTie),
                             "{what}: {:?} {:?}",
@@ -82,18 +80,19 @@ fn every_scenario_matches_the_reference_on_both_backends() {
 fn bfloat16_and_native_dtypes_run_and_agree() {
     use parity::checkpoint::ModelConfig;
     use parity::dtype::DtypeName;
-    use parity::model::Model;
     let dir = common::fixture("qwen3-tiny");
     for (setting, expected) in [(Some(DtypeName::Bfloat16), DtypeName::Bfloat16), (None, DtypeName::Bfloat16)] {
         // qwen3-tiny stores bfloat16, so `native` (None) is bfloat16 too.
         let model = Model::load(&dir, ModelConfig::load(&dir).unwrap(), setting, false).unwrap();
         assert_eq!(model.dtype, expected);
         assert_eq!(model.kv_shape().dtype, expected);
-        let mut h = Harness::new(&model, settings(), Faults::NONE);
+        let mut reference = Builtin::new(&model, Backend::Dense, &settings());
+        let mut h = Harness::new(&mut reference, settings(), Faults::NONE, pad(&model));
         let prompts = prompts();
         for sc in [scenario::Scenario::Single, scenario::Scenario::Batch2] {
-            let cases = sc.run(&mut h, Backend::Paged, &prompts).unwrap();
-            for c in cases {
+            let mut path = Builtin::new(&model, Backend::Paged, &settings());
+            for c in sc.run(&mut h, &mut path, &prompts) {
+                assert_eq!(c.outcome, Outcome::Ran);
                 let reference = h.reference(&c.prompt.ids).unwrap();
                 assert_eq!(reference.logits[0].dtype(), mlx_rs::Dtype::Bfloat16);
                 for path in &c.paths {

@@ -23,6 +23,12 @@ fn padded_batch2_and_concurrent_match_the_dense_reference() {
     assert!(report.checkpoints[0].dequantized, "the CPU suite dequantizes at load, and says so");
     assert!(report.summary.rows >= 40, "{:?}", report.summary);
     for r in &report.rows {
+        // The exact-multiple prompt has no pad rows to trim: that row tested nothing of the
+        // padded scenario and says so (issue #14) rather than passing.
+        if r.verdict == Verdict::Skipped {
+            assert!(r.prompt == "exact32" && r.notes.iter().any(|n| n.contains("no pad rows")), "{r:?}");
+            continue;
+        }
         assert_eq!(
             r.verdict,
             Verdict::Identical,

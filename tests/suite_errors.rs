@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use parity::kv::Backend;
 use parity::suite;
 
 const GOOD: &str = r#"
@@ -84,7 +85,47 @@ fn prompt_needs_exactly_one_source() {
 #[test]
 fn unknown_dtype_and_backend() {
     assert_at(&GOOD.replace("name = \"t\"", "name = \"t\"\ndtype = \"float8\""), 3, "unknown dtype `float8`");
-    assert_at(&GOOD.replace("name = \"t\"", "name = \"t\"\nbackends = [\"sparse\"]"), 3, "unknown backend `sparse`");
+    assert_at(
+        &GOOD.replace("name = \"t\"", "name = \"t\"\nbackends = [\"sparse\"]"),
+        3,
+        "unknown path `sparse`; this engine has dense, paged, dense-rowwise, paged-rowwise",
+    );
+    // The row-by-row paths run only when named, beside (or instead of) the batched ones.
+    let both =
+        GOOD.replace("name = \"t\"", "name = \"t\"\nbackends = [\"paged\", \"paged-rowwise\", \"dense-rowwise\"]");
+    let s = suite::parse(Path::new("suites/x.toml"), &both).unwrap();
+    assert_eq!(s.checkpoints[0].paths, ["paged", "paged-rowwise", "dense-rowwise"]);
+    assert_eq!(s.checkpoints[0].kv_backends(), [Backend::Paged, Backend::Dense]);
+    let default = suite::parse(Path::new("suites/x.toml"), GOOD).unwrap();
+    assert_eq!(default.checkpoints[0].paths, ["dense", "paged"], "unnamed: the batched paths");
+}
+
+/// An engine table: each mistake names its line, before anything is started.
+#[test]
+fn engine_tables_are_checked_before_anything_starts() {
+    // Lines: 2 name, 3 [engine], 4 kind, 5 command, 6 `extra`, then [engine.paths].
+    let with = |engine: &str| GOOD.replace("name = \"t\"", &format!("name = \"t\"\n{engine}"));
+    let process = |extra: &str, paths: &str| {
+        with(&format!("[engine]\nkind = \"process\"\ncommand = [\"adapter\"]\n{extra}\n[engine.paths]\n{paths}\n"))
+    };
+    let good = process("", "a = []\nb = [\"--b\"]");
+    let s = suite::parse(Path::new("suites/x.toml"), &good).unwrap();
+    assert_eq!(s.checkpoints[0].paths, ["a", "b"], "paths run in the order written");
+    assert!(!s.checkpoints[0].engine.needs_builtin());
+    assert_at(&with("[engine]\nkind = \"grpc\"\n"), 4, "unknown kind `grpc`");
+    assert_at(&with("[engine]\nkind = \"process\"\n[engine.paths]\na = []\n"), 3, "needs `command`");
+    assert_at(&process("", "a = []").replace("[\"adapter\"]", "[]"), 5, "give the program");
+    assert_at(&with("[engine]\nkind = \"builtin\"\ncommand = [\"x\"]\n"), 5, "only for kind = \"process\"");
+    assert_at(&process("reference = \"c\"", "a = []"), 6, "`c` is not a path of this engine");
+    assert_at(&process("", "\"../up\" = []"), 7, "`../up`");
+    assert_at(&process("timeout = 0", "a = []"), 6, "engine.timeout: 0");
+    assert_at(
+        &process("", "a = []").replace("name = \"t\"", "name = \"t\"\nbackends = [\"dense\"]"),
+        3,
+        "unknown path `dense`; this engine has a",
+    );
+    let s = suite::parse(Path::new("suites/x.toml"), &process("reference = \"builtin:dense\"", "a = []")).unwrap();
+    assert!(s.checkpoints[0].engine.needs_builtin());
 }
 
 #[test]
@@ -96,4 +137,117 @@ fn missing_prompts_or_checkpoints() {
 fn env_expansion_in_paths() {
     assert_eq!(suite::expand_env("${PARITY_TEST_SURELY_UNSET:-a/b}/c").unwrap(), "a/b/c");
     assert!(suite::expand_env("${PARITY_TEST_SURELY_UNSET}").unwrap_err().contains("not set"));
+}
+
+// ---- issue #14: names that would escape the reports folder -----------------------------------
+
+/// Was: `name = "../../../x"` made `parity run` write x/<checkpoint>__<scenario>.snap.new three
+/// folders above reports/.
+#[test]
+fn a_suite_name_that_traverses_is_rejected_at_its_position() {
+    assert_at(&GOOD.replace("name = \"t\"", "name = \"../../../x\""), 2, "suite name `../../../x` contains '/'");
+    assert_at(&GOOD.replace("name = \"t\"", "name = \"/etc\""), 2, "suite name `/etc`");
+    assert_at(&GOOD.replace("name = \"t\"", "name = \"..\""), 2, "starts with `.`");
+}
+
+#[test]
+fn checkpoint_and_prompt_names_must_be_plain_file_names() {
+    let text = GOOD.replace("path = \"../fixtures/llama-tiny.toml\"", "name = \"a/../../b\"\npath = \"x.toml\"");
+    assert_at(&text, 9, "checkpoint name `a/../../b` contains '/'");
+    assert_at(&GOOD.replace("name = \"p\"", "name = \"p\\\\q\""), 6, "prompt name `p\\\\q` contains '\\\\'");
+    assert_at(&GOOD.replace("name = \"p\"", "name = \"\""), 6, "prompt name `` is empty");
+    // A name derived from the path is checked too, at the path.
+    assert_at(
+        &GOOD.replace("../fixtures/llama-tiny.toml", ".."),
+        9,
+        "checkpoint name (from its path or repo; set `name`) `..`",
+    );
+}
+
+#[test]
+fn a_suite_file_whose_stem_is_not_a_file_name_needs_a_name() {
+    let text = GOOD.replace("name = \"t\"\n", "");
+    let e = suite::parse(Path::new("suites/my suite.toml"), &text).expect_err("stem with a space");
+    assert!(e.message.contains("suite name (from the file name; set `name`) `my suite` contains ' '"), "{e}");
+    assert!(suite::parse(Path::new("suites/ok-name.toml"), &text).is_ok());
+}
+
+#[test]
+fn sizes_have_an_upper_bound() {
+    assert_at(&GOOD.replace("tile = 16", "tile = 16\nmax_tokens = 1000000000000"), 5, "larger than the limit");
+    assert_at(
+        &GOOD.replace("tile = 16", "tile = 16\nconcurrent = { arrivals = [0, 99999999999] }"),
+        5,
+        "each from 0 to",
+    );
+}
+
+// ---- issue #14: settings that make a scenario test nothing -----------------------------------
+
+/// Was: `lookahead = 0` made rollback roll back nothing, and the suite passed.
+#[test]
+fn lookahead_zero_with_rollback_is_rejected_at_lookahead() {
+    assert_at(
+        &GOOD.replace("tile = 16", "tile = 16\nlookahead = 0"),
+        5,
+        "settings.lookahead = 0: `rollback` decodes no draft rows",
+    );
+    // Without the rollback scenario it is harmless.
+    let text = GOOD
+        .replace("name = \"t\"", "name = \"t\"\nscenarios = [\"single\"]")
+        .replace("tile = 16", "tile = 16\nlookahead = 0");
+    assert!(suite::parse(Path::new("suites/x.toml"), &text).is_ok());
+}
+
+#[test]
+fn rollback_every_at_or_past_max_tokens_is_rejected() {
+    let text = GOOD.replace("tile = 16", "tile = 16\nmax_tokens = 8\nrollback_every = 8");
+    assert_at(&text, 6, "settings.rollback_every = 8 with max_tokens = 8: no rollback happens");
+    // With rollback_every left at its default, the blame goes to what the suite wrote.
+    assert_at(&GOOD.replace("tile = 16", "tile = 16\nmax_tokens = 4"), 5, "rollback_every = 5 with max_tokens = 4");
+}
+
+#[test]
+fn concurrent_settings_that_never_batch_are_rejected() {
+    let c = |s: &str| GOOD.replace("tile = 16", &format!("tile = 16\n[settings.concurrent]\n{s}"));
+    assert_at(&c("max_batch = 1"), 6, "no two requests are ever decoded together");
+    assert_at(&c("requests = 1"), 6, "no two requests are ever decoded together");
+    // Each request arrives after the previous one has finished (16 steps each).
+    assert_at(&c("requests = 2\narrivals = [0, 40]"), 7, "arrivals [0, 40]");
+    assert!(suite::parse(Path::new("suites/x.toml"), &c("requests = 2\narrivals = [0, 3]")).is_ok());
+}
+
+#[test]
+fn max_tokens_too_small_for_decode_and_prefix_scenarios() {
+    let one = GOOD
+        .replace("name = \"t\"", "name = \"t\"\nscenarios = [\"single\", \"batch2\"]")
+        .replace("tile = 16", "tile = 16\nmax_tokens = 1");
+    assert_at(&one, 6, "max_tokens = 1: no decode step runs, so `batch2` tests nothing");
+    let three = GOOD
+        .replace("name = \"t\"", "name = \"t\"\nscenarios = [\"prefix\"]")
+        .replace("tile = 16", "tile = 16\nmax_tokens = 3");
+    assert_at(&three, 6, "`prefix` while-running decodes the donor 2 steps before the adopter joins");
+}
+
+#[test]
+fn pool_blocks_without_a_paged_backend_or_too_small_is_rejected() {
+    let dense = GOOD
+        .replace("name = \"t\"", "name = \"t\"\nbackends = [\"dense\"]")
+        .replace("tile = 16", "tile = 16\npool_blocks = 8");
+    assert_at(&dense, 6, "settings.pool_blocks = 8 has no effect: no paged backend runs");
+    assert_at(&GOOD.replace("tile = 16", "tile = 16\nblock_size = 4\npool_blocks = 2"), 6, "cannot hold one sequence");
+}
+
+/// With every prompt's length fixed in the suite, prompt-dependent facts are caught early.
+#[test]
+fn known_prompt_lengths_catch_chunk_and_block_sizes_that_no_prompt_crosses() {
+    let fixed = GOOD.replace("text = \"hello\"", "text = \"hello\"\nlength = 12");
+    assert_at(
+        &fixed.replace("tile = 16", "tile = 16\nchunk = 12"),
+        5,
+        "settings.chunk = 12 is at least every prompt's length",
+    );
+    let big = fixed.replace("tile = 16", "tile = 16\nblock_size = 64");
+    assert_at(&big, 5, "settings.block_size = 64: no sequence crosses a block boundary (the longest writes 39 rows)");
+    assert!(suite::parse(Path::new("suites/x.toml"), &fixed).is_ok());
 }

@@ -114,7 +114,11 @@ impl<'a> Fields<'a> {
         match self.get(field) {
             None => Ok(None),
             Some(v) => match v.as_u64() {
-                Some(n) if n > 0 => Ok(Some(n as usize)),
+                // MLX shapes are int32: a larger size cannot be a tensor dimension.
+                Some(n) if n > 0 && n <= i32::MAX as u64 => Ok(Some(n as usize)),
+                Some(n) if n > 0 => {
+                    Err(self.err(field, format!("{n} is larger than any tensor dimension MLX can hold ({})", i32::MAX)))
+                }
                 _ => Err(self.err(field, format!("expected a positive integer, found {v}"))),
             },
         }
@@ -122,14 +126,18 @@ impl<'a> Fields<'a> {
     fn usize(&self, field: &str) -> Result<usize> {
         self.usize_opt(field)?.ok_or_else(|| self.err(field, "missing"))
     }
+    /// A positive number that fits an f32. Epsilons, RoPE bases and scaling factors are all
+    /// strictly positive; found by fuzzing (fuzz/regressions/config/): an eps of 0 or below, or
+    /// a theta of 1e300 (finite as f64, infinite as f32), was accepted and every logit became
+    /// NaN at run time.
     fn f32_or(&self, field: &str, default: f32) -> Result<f32> {
         match self.get(field) {
             None => Ok(default),
             Some(v) => v
                 .as_f64()
-                .filter(|x| x.is_finite())
                 .map(|x| x as f32)
-                .ok_or_else(|| self.err(field, format!("expected a number, found {v}"))),
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| self.err(field, format!("expected a positive number within f32 range, found {v}"))),
         }
     }
     fn bool_opt(&self, field: &str) -> Result<Option<bool>> {

@@ -10,6 +10,7 @@ use crate::bench::BenchRow;
 use crate::bench::{self, BenchOptions};
 use crate::checkpoint::{self, ModelConfig};
 use crate::dtype::DtypeSetting;
+use crate::engine::builtin::BuiltinPath;
 use crate::kv::Backend;
 use crate::model::{AttentionMode, Model};
 
@@ -91,7 +92,12 @@ pub fn run(a: Args) -> Result<ExitCode> {
             Some(v)
         }
     };
-    let rows = bench::bench(&model, &backends, &a.attention, &a.batch, opts)?;
+    let paths: Vec<BuiltinPath> = a
+        .attention
+        .iter()
+        .flat_map(|&attention| backends.iter().map(move |&backend| BuiltinPath { backend, attention }))
+        .collect();
+    let rows = bench::bench(&model, &paths, &a.batch, opts)?;
     print!("{}", bench::render(&rows));
 
     let tokens_differ = match &mlx_lm {

@@ -5,9 +5,11 @@ use clap::Args as ClapArgs;
 
 use crate::checkpoint::{self, ModelConfig, Tokenizer};
 use crate::dtype::DtypeSetting;
-use crate::engine;
-use crate::kv::{Backend, DenseCache, KvCache, PagedBlockPool, PoolOptions};
+use crate::engine::builtin::{self, Builtin};
+use crate::faults::Faults;
+use crate::kv::Backend;
 use crate::model::Model;
+use crate::scenario::Settings;
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -44,17 +46,20 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let config = ModelConfig::load(&dir)?;
     let tokenizer = Tokenizer::load(&dir)?;
     let prompt_ids = if a.chat { tokenizer.encode_chat(&a.prompt)? } else { tokenizer.encode_raw(&a.prompt)? };
+    if prompt_ids.is_empty() {
+        // Say what the user did, not what the forward pass requires of a batch.
+        anyhow::bail!(
+            "the prompt {:?} encodes to zero tokens; give some text, or --chat to use the chat template",
+            a.prompt
+        );
+    }
     let model = Model::load(&dir, config, a.dtype.resolve(), a.dequantize)
         .with_context(|| format!("loading {}", dir.display()))?;
-    let mut kv: Box<dyn KvCache> = match a.kv {
-        Backend::Dense => Box::new(DenseCache::new(model.kv_shape())),
-        Backend::Paged => Box::new(PagedBlockPool::new(
-            model.kv_shape(),
-            PoolOptions { block_size: a.block_size, ..PoolOptions::default() },
-            crate::faults::Faults::NONE,
-        )?),
-    };
-    let (_, trace) = engine::generate(&model, kv.as_mut(), &prompt_ids, a.max_tokens)?;
+    let settings = Settings { block_size: a.block_size, poison: false, ..Settings::default() };
+    let mut kv = Builtin::new(&model, a.kv, &settings).kv(Faults::NONE)?;
+    let (_, trace) = builtin::generate(&model, kv.as_mut(), &prompt_ids, a.max_tokens)?;
+    // Garbage from NaN logits is not an answer: fail, blaming the checkpoint or runtime.
+    crate::compare::require_finite("logits", &trace.logits)?;
     let text = tokenizer.decode(&trace.tokens)?;
     if a.json {
         let out = serde_json::json!({

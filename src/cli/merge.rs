@@ -36,6 +36,6 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let merged = crate::report::merge::merge(reports).map_err(anyhow::Error::msg)?;
     let out = CommonArgs { json: a.json, junit: a.junit, markdown: a.markdown, ..CommonArgs::default() };
     out.write_reports(&merged)?;
-    print!("{}", crate::report::table::render(&merged, std::io::stdout().is_terminal()));
+    print!("{}", crate::report::table::render(&merged, super::color(std::io::stdout().is_terminal())));
     Ok(ExitCode::from(if merged.failed() { EXIT_FAIL } else { 0 }))
 }

@@ -1,6 +1,7 @@
 //! The command line. Library errors become `anyhow` errors with context here; exit codes are
 //! decided here and only here.
 
+mod adapter;
 mod bench;
 mod generate;
 mod inspect;
@@ -21,13 +22,36 @@ pub const EXIT_FAIL: u8 = 1;
 pub const EXIT_USAGE: u8 = 2;
 pub const EXIT_SKIP: u8 = 125;
 
+/// When terminal output is coloured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ColorChoice {
+    /// When writing to a terminal and `NO_COLOR` is unset or empty.
+    Auto,
+    Always,
+    Never,
+}
+
+static COLOR: std::sync::OnceLock<ColorChoice> = std::sync::OnceLock::new();
+
+/// Whether to colour output going to a stream that `is_terminal` (or not).
+pub(crate) fn color(is_terminal: bool) -> bool {
+    match COLOR.get().copied().unwrap_or(ColorChoice::Auto) {
+        ColorChoice::Always => true,
+        ColorChoice::Never => false,
+        ColorChoice::Auto => is_terminal && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+    }
+}
+
 #[derive(Parser)]
-#[command(name = "parity", version, about = "Prove an MLX engine's paged KV-cache decode path matches its dense path")]
+#[command(name = "parity", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("PARITY_GIT_COMMIT"), ")"), about = "Prove an MLX engine's paged KV-cache decode path matches its dense path")]
 struct Cli {
     /// MLX device: auto (the GPU on Apple Silicon, else the CPU), cpu or gpu. Reports record it,
     /// and GPU snapshots live apart from CPU ones (reports/<suite>/gpu/).
     #[arg(long, global = true, env = "PARITY_DEVICE", default_value = "auto", value_name = "DEVICE")]
     device: DeviceChoice,
+    /// Colour: auto (a terminal and NO_COLOR unset), always or never.
+    #[arg(long, global = true, default_value = "auto", value_name = "WHEN")]
+    color: ColorChoice,
     #[command(subcommand)]
     command: Command,
 }
@@ -38,18 +62,22 @@ enum Command {
     Generate(generate::Args),
     /// Describe a checkpoint: architecture, sizes, dtype, quantization, tokenizer.
     Inspect(inspect::Args),
-    /// Run a suite: every scenario on both backends against the dense reference.
+    /// Run a suite: every scenario on every path against the reference path.
     Run(run::Args),
-    /// Show pending snapshot changes as diffs.
+    /// Show pending snapshot changes as diffs (exits 0: reviewing is reading).
     Review(review::Args),
-    /// Accept pending snapshot changes.
+    /// Accept pending snapshot changes (all, or `--only NAME`).
     Accept(review::Args),
+    /// Reject pending snapshot changes: delete the `.snap.new` files (all, or `--only NAME`).
+    Reject(review::Args),
     /// Prove the suite catches planted regressions: clean must pass, every fault must fail.
     Selftest(selftest::Args),
     /// Speed and KV memory of both decode paths (and mlx-lm, given its JSON).
     Bench(bench::Args),
     /// Merge the JSON reports of a sharded run into one report.
     Merge(merge::Args),
+    /// Serve parity's runtime over the step protocol (an engine adapter; docs/step-protocol.md).
+    Adapter(adapter::Args),
 }
 
 pub fn main() -> ExitCode {
@@ -60,23 +88,30 @@ pub fn main() -> ExitCode {
             return ExitCode::from(if e.use_stderr() { EXIT_USAGE } else { 0 });
         }
     };
+    let _ = COLOR.set(cli.color);
     // Only the commands that compute touch the device: merging or reviewing reports on a
     // Linux box must not fail because the environment asks for the GPU.
-    let computes =
-        matches!(cli.command, Command::Generate(_) | Command::Run(_) | Command::Selftest(_) | Command::Bench(_));
+    let computes = matches!(
+        cli.command,
+        Command::Generate(_) | Command::Run(_) | Command::Selftest(_) | Command::Bench(_) | Command::Adapter(_)
+    );
     if computes && let Err(e) = runtime::use_device(cli.device) {
         eprintln!("error: {e}");
         return ExitCode::from(EXIT_USAGE);
     }
+    // Engine adapters and servers parity starts must not outlive an interrupted run.
+    crate::proc::install_interrupt_handler();
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Run(a) => run::run(a),
         Command::Review(a) => review::review(a),
         Command::Accept(a) => review::accept(a),
+        Command::Reject(a) => review::reject(a),
         Command::Selftest(a) => selftest::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Merge(a) => merge::run(a),
+        Command::Adapter(a) => adapter::run(a),
     };
     match result {
         Ok(code) => code,

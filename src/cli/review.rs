@@ -17,6 +17,35 @@ pub struct Args {
     /// directory, else next to the suite file).
     #[arg(long)]
     pub reports: Option<PathBuf>,
+    /// Only these snapshots (repeatable): a file name as `review` prints it, with or without
+    /// `.snap`, e.g. `qwen3-tiny__batch2`.
+    #[arg(long = "only", value_name = "SNAPSHOT")]
+    pub only: Vec<String>,
+}
+
+/// The pending snapshots `a` is about; an `--only` that names nothing pending is an error,
+/// never a silent no-op.
+fn selected(a: &Args, dir: &std::path::Path) -> Result<Vec<PathBuf>> {
+    let pending = snapshot::pending(dir);
+    if a.only.is_empty() {
+        return Ok(pending);
+    }
+    let stem = |p: &PathBuf| {
+        snapshot::accepted_path(p).file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+    };
+    let mut out = Vec::new();
+    for name in &a.only {
+        let want = name.trim_end_matches(".new").trim_end_matches(".snap");
+        let hit: Vec<PathBuf> = pending.iter().filter(|p| stem(p) == want).cloned().collect();
+        anyhow::ensure!(
+            !hit.is_empty(),
+            "--only {name}: no pending snapshot of that name under {} (pending: {})",
+            dir.display(),
+            if pending.is_empty() { "none".into() } else { pending.iter().map(stem).collect::<Vec<_>>().join(", ") }
+        );
+        out.extend(hit);
+    }
+    Ok(out)
 }
 
 fn directory(a: &Args) -> Result<PathBuf> {
@@ -30,21 +59,23 @@ fn directory(a: &Args) -> Result<PathBuf> {
     }
 }
 
-/// Show every pending change as a unified diff against the accepted snapshot.
+/// Show every pending change as a unified diff against the accepted snapshot. Reviewing is
+/// reading: it exits 0 whatever is pending (as `cargo insta review` does), so
+/// `parity review S && parity accept S` works; `parity run` is what fails on a change.
 pub fn review(a: Args) -> Result<ExitCode> {
     let dir = directory(&a)?;
-    let pending = snapshot::pending(&dir);
+    let pending = selected(&a, &dir)?;
     if pending.is_empty() {
         println!("no pending snapshots under {}", dir.display());
         return Ok(ExitCode::SUCCESS);
     }
-    let color = std::io::stdout().is_terminal();
+    let color = super::color(std::io::stdout().is_terminal());
     for p in &pending {
         let accepted = snapshot::accepted_path(p);
         let old = std::fs::read_to_string(&accepted).unwrap_or_default();
         let new = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
         let diff = similar::TextDiff::from_lines(&old, &new);
-        let title = if old.is_empty() { "new snapshot" } else { "changed snapshot" };
+        let title = if accepted.exists() { "changed snapshot" } else { "new snapshot" };
         println!("{title}: {}", accepted.display());
         for hunk in diff.unified_diff().context_radius(3).header("accepted", "pending").iter_hunks() {
             for line in hunk.to_string().lines() {
@@ -58,23 +89,36 @@ pub fn review(a: Args) -> Result<ExitCode> {
         }
         println!();
     }
+    let target = a.target.as_ref().map(|t| format!(" {}", t.display())).unwrap_or_default();
     println!(
-        "{} pending; accept with `parity accept {}`",
-        pending.len(),
-        a.target.as_ref().map(|t| t.display().to_string()).unwrap_or_default()
+        "{} pending; accept with `parity accept{target}`, reject with `parity reject{target}` (`--only NAME` for one)",
+        pending.len()
     );
-    // Pending changes are unaccepted: say so in the exit code, as `parity run` does.
-    Ok(ExitCode::from(super::EXIT_FAIL))
+    Ok(ExitCode::SUCCESS)
 }
 
-/// Accept every pending snapshot (rename `.snap.new` over `.snap`).
+/// Accept pending snapshots (rename `.snap.new` over `.snap`).
 pub fn accept(a: Args) -> Result<ExitCode> {
     let dir = directory(&a)?;
-    let pending = snapshot::pending(&dir);
+    let pending = selected(&a, &dir)?;
     for p in &pending {
         let accepted = snapshot::accepted_path(p);
         std::fs::rename(p, &accepted).with_context(|| format!("accepting {}", p.display()))?;
         println!("accepted {}", accepted.display());
+    }
+    if pending.is_empty() {
+        println!("no pending snapshots under {}", dir.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Reject pending snapshots (delete the `.snap.new`; the accepted one stays).
+pub fn reject(a: Args) -> Result<ExitCode> {
+    let dir = directory(&a)?;
+    let pending = selected(&a, &dir)?;
+    for p in &pending {
+        std::fs::remove_file(p).with_context(|| format!("rejecting {}", p.display()))?;
+        println!("rejected {}", p.display());
     }
     if pending.is_empty() {
         println!("no pending snapshots under {}", dir.display());

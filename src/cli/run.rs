@@ -1,6 +1,6 @@
 //! `parity run SUITE`: the face of the product (before merging, nightly, under bisect).
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -10,9 +10,9 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::{EXIT_FAIL, EXIT_SKIP, EXIT_USAGE};
 use crate::faults::{Fault, Faults};
-use crate::kv::Backend;
 use crate::report::snapshot::{self, UpdateMode};
-use crate::report::{Report, Shard};
+use crate::report::table::{self, Widths};
+use crate::report::{Report, Row, Shard};
 use crate::run::{Progress, RunOptions, run_suite};
 use crate::scenario::Scenario;
 use crate::suite;
@@ -60,9 +60,9 @@ pub struct CommonArgs {
     /// Only these scenarios (repeatable).
     #[arg(long = "scenario", value_parser = parse_scenario)]
     pub scenarios: Vec<Scenario>,
-    /// Only these backends (repeatable).
-    #[arg(long = "backend")]
-    pub backends: Vec<Backend>,
+    /// Only these paths (repeatable): `dense`, `paged`, or an engine's path names.
+    #[arg(long = "backend", value_name = "PATH")]
+    pub backends: Vec<String>,
     /// Run shard I of N (1-based): split a suite across CI runners; merge with `parity merge`.
     #[arg(long, value_parser = parse_shard)]
     pub shard: Option<Shard>,
@@ -119,14 +119,42 @@ impl CommonArgs {
         !self.faults.is_empty()
     }
 
-    /// Write the requested machine-readable reports.
+    fn outputs(&self) -> [(&'static str, &Option<PathBuf>); 3] {
+        [("--json", &self.json), ("--junit", &self.junit), ("--markdown", &self.markdown)]
+    }
+
+    /// A report goes to stdout (`-`): then the human summary goes to stderr.
+    pub fn stdout_taken(&self) -> bool {
+        self.outputs().iter().any(|(_, p)| p.as_deref().is_some_and(is_stdout))
+    }
+
+    /// Check every output path before any work: a run of minutes must not end in "cannot
+    /// write". Creates missing parent directories; writes nothing else.
+    pub fn check_outputs(&self) -> Result<()> {
+        let dashes = self.outputs().iter().filter(|(_, p)| p.as_deref().is_some_and(is_stdout)).count();
+        anyhow::ensure!(dashes <= 1, "only one report can go to stdout (`-`)");
+        for (flag, path) in self.outputs() {
+            let Some(p) = path.as_deref().filter(|p| !is_stdout(p)) else { continue };
+            check_writable(p).with_context(|| format!("{flag} {}", p.display()))?;
+        }
+        Ok(())
+    }
+
+    /// Write the requested machine-readable reports (`-`: to stdout).
     pub fn write_reports(&self, report: &Report) -> Result<()> {
         let write = |path: &Option<PathBuf>, content: String| -> Result<()> {
-            if let Some(p) = path {
-                if let Some(parent) = p.parent().filter(|p| !p.as_os_str().is_empty()) {
-                    std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+            match path.as_deref() {
+                Some(p) if is_stdout(p) => {
+                    let mut out = std::io::stdout().lock();
+                    out.write_all(content.as_bytes()).and_then(|_| out.flush()).context("writing to stdout")?;
                 }
-                std::fs::write(p, content).with_context(|| format!("writing {}", p.display()))?;
+                Some(p) => {
+                    if let Some(parent) = p.parent().filter(|p| !p.as_os_str().is_empty()) {
+                        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+                    }
+                    std::fs::write(p, content).with_context(|| format!("writing {}", p.display()))?;
+                }
+                None => {}
             }
             Ok(())
         };
@@ -137,17 +165,85 @@ impl CommonArgs {
     }
 }
 
-/// Progress bars on stderr, only when it is a terminal.
+fn is_stdout(p: &Path) -> bool {
+    p.as_os_str() == "-"
+}
+
+/// `p` can be written: not a directory, its directory exists (created if missing) and
+/// accepts a new file, and an existing file opens for writing (left untouched).
+fn check_writable(p: &Path) -> Result<()> {
+    anyhow::ensure!(!p.is_dir(), "is a directory");
+    let parent = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    if p.exists() {
+        std::fs::OpenOptions::new().append(true).open(p).context("cannot open for writing")?;
+    } else {
+        let probe = parent.join(format!(".parity-probe-{}", std::process::id()));
+        std::fs::File::create(&probe).with_context(|| format!("cannot create files in {}", parent.display()))?;
+        let _ = std::fs::remove_file(&probe);
+    }
+    Ok(())
+}
+
+/// What a run shows while it works: a progress bar on stderr when that is a terminal, and one
+/// line per (checkpoint, scenario, path) on stdout as soon as it finishes, flushed, so a piped
+/// CI log shows progress and a job killed by a timeout keeps what it did (as nextest does).
 pub struct Bars {
     multi: MultiProgress,
     current: std::cell::RefCell<Option<ProgressBar>>,
+    widths: Widths,
+    color: bool,
+    /// Where finished groups are printed (none: only the bar, as in selftest).
+    lines: Option<Stream>,
+}
+
+/// A standard stream for human output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+impl Stream {
+    pub fn is_terminal(self) -> bool {
+        match self {
+            Stream::Stdout => std::io::stdout().is_terminal(),
+            Stream::Stderr => std::io::stderr().is_terminal(),
+        }
+    }
+
+    /// Write and flush (a piped CI log must see each line when it is printed).
+    pub fn print(self, text: &str) {
+        let _ = match self {
+            Stream::Stdout => {
+                std::io::stdout().lock().write_all(text.as_bytes()).and_then(|_| std::io::stdout().flush())
+            }
+            Stream::Stderr => {
+                std::io::stderr().lock().write_all(text.as_bytes()).and_then(|_| std::io::stderr().flush())
+            }
+        };
+    }
 }
 
 impl Bars {
-    pub fn new() -> Self {
+    pub fn new(suite: &suite::Suite, color: bool, lines: Option<Stream>) -> Self {
         let target =
             if std::io::stderr().is_terminal() { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
-        Bars { multi: MultiProgress::with_draw_target(target), current: std::cell::RefCell::new(None) }
+        let longest = |names: Vec<usize>| names.into_iter().max().unwrap_or(0);
+        let widths = Widths {
+            checkpoint: longest(suite.checkpoints.iter().map(|c| c.name.len()).collect()),
+            scenario: longest(
+                suite.checkpoints.iter().flat_map(|c| c.scenarios.iter().map(|s| s.name().len())).collect(),
+            ),
+            backend: longest(suite.checkpoints.iter().flat_map(|c| c.paths.iter().map(|p| p.len())).collect()),
+        };
+        Bars {
+            multi: MultiProgress::with_draw_target(target),
+            current: std::cell::RefCell::new(None),
+            widths,
+            color,
+            lines,
+        }
     }
 }
 
@@ -166,7 +262,11 @@ impl Progress for Bars {
             b.set_message(label.to_string());
         }
     }
-    fn unit_done(&self) {
+    fn unit_done(&self, rows: &[Row]) {
+        let group: Vec<&Row> = rows.iter().collect();
+        if let (Some(stream), Some(line)) = (self.lines, table::group_line(&group, &self.widths, self.color)) {
+            self.multi.suspend(|| stream.print(&line));
+        }
         if let Some(b) = self.current.borrow().as_ref() {
             b.inc(1);
         }
@@ -214,9 +314,33 @@ pub fn run(a: Args) -> Result<ExitCode> {
         Some(m) => m,
         None => UpdateMode::from_env().map_err(anyhow::Error::msg)?,
     };
+    // Everything that can be wrong with the request is said before any work.
+    if let Err(e) = a.common.check_outputs() {
+        eprintln!("error: {e:#}");
+        return Ok(ExitCode::from(EXIT_USAGE));
+    }
     let mut opts = a.common.options();
     opts.require_models = a.require_models;
-    let mut report = run_suite(&suite, &opts, &Bars::new());
+    // A selection that cannot match must never read as "good" to `git bisect run`: 125 (this
+    // commit cannot be judged) under --bisect, a usage error otherwise.
+    let nothing = if a.bisect { EXIT_SKIP } else { EXIT_USAGE };
+    if let Err(why) = crate::run::check_selection(&suite, &opts) {
+        eprintln!("error: {why}");
+        return Ok(ExitCode::from(nothing));
+    }
+    let human = if a.common.stdout_taken() { Stream::Stderr } else { Stream::Stdout };
+    let color = super::color(human.is_terminal());
+    if !opts.faults.is_empty() {
+        human.print(&format!(
+            "planted faults: {}\n\n",
+            opts.faults.list().iter().map(|f| f.name()).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    let mut report = run_suite(&suite, &opts, &Bars::new(&suite, color, Some(human)));
+    if report.rows.is_empty() {
+        eprintln!("error: {}", crate::run::nothing_selected(&suite, &opts));
+        return Ok(ExitCode::from(nothing));
+    }
 
     let rendering = std::time::Instant::now();
     if a.no_snapshots || a.common.partial_rows() || a.common.planted() {
@@ -224,27 +348,24 @@ pub fn run(a: Args) -> Result<ExitCode> {
             eprintln!("note: snapshots not checked (--filter/--backend select part of a snapshot's rows)");
         }
     } else {
-        let dir = snapshot::dir(&reports_dir(&a.suite, &a.reports), &report);
-        let checked = snapshot::check(&dir, &snapshot::render(&report), mode)
+        let root = reports_dir(&a.suite, &a.reports);
+        let dir = snapshot::dir(&root, &report)?;
+        let checked = snapshot::check(&root, &dir, &snapshot::render(&report), mode)
             .with_context(|| format!("writing snapshots under {}", dir.display()))?;
         report.summary.snapshot_changes = checked.changes.iter().map(|p| p.display().to_string()).collect();
         if !checked.accepted.is_empty() {
-            eprintln!(
-                "accepted {} under {}",
-                crate::report::table::plural(checked.accepted.len(), "snapshot"),
-                dir.display()
-            );
+            eprintln!("accepted {} under {}", table::plural(checked.accepted.len(), "snapshot"), dir.display());
         }
     }
     a.common.write_reports(&report)?;
-    let color = std::io::stdout().is_terminal();
-    print!("{}", crate::report::table::render(&report, color));
+    // The group lines were streamed as units finished; the rest follows.
+    human.print(&table::tail(&report, color));
     if !report.summary.snapshot_changes.is_empty() && mode != UpdateMode::No {
-        println!(
-            "review with `parity review {}`, accept with `parity accept {}`",
+        human.print(&format!(
+            "review with `parity review {}`, accept with `parity accept {}`\n",
             a.suite.display(),
             a.suite.display()
-        );
+        ));
     }
     eprintln!("report rendered in {:.2}s", rendering.elapsed().as_secs_f64());
 

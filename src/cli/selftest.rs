@@ -33,7 +33,16 @@ pub fn run(a: Args) -> Result<ExitCode> {
     };
     let to_plant = if a.common.faults.is_empty() { selftest::all_faults() } else { a.common.faults.clone() };
     let opts = RunOptions { faults: Faults::NONE, ..a.common.options() };
-    let (report, clean) = selftest::selftest(&suite, &opts, &to_plant, &Bars::new());
+    if let Err(why) = crate::run::check_selection(&suite, &opts) {
+        eprintln!("error: {why}");
+        return Ok(ExitCode::from(EXIT_USAGE));
+    }
+    let (report, clean) = selftest::selftest(&suite, &opts, &to_plant, &Bars::new(&suite, false, None));
+    if clean.rows.is_empty() {
+        // Nothing ran, so nothing could be caught: never a pass.
+        eprintln!("error: {}", crate::run::nothing_selected(&suite, &opts));
+        return Ok(ExitCode::from(EXIT_USAGE));
+    }
     print!("{}", selftest::render(&report));
     if let Some(path) = &a.common.json {
         let json = serde_json::to_string_pretty(&report)?;

@@ -5,6 +5,7 @@
 //! kept by the backend. It is the next row to write, the visible length, and — minus the
 //! sequence's masked prefix — the RoPE offset. Nothing else stores a position.
 
+pub mod audit;
 pub mod dense;
 pub mod paged;
 pub(crate) mod store;
@@ -50,8 +51,10 @@ impl std::str::FromStr for Backend {
     }
 }
 
-/// Memory held by a backend, in bytes of K and V over all layers.
+/// Memory held by a backend, in bytes of K and V over all layers. Absent fields read as zero
+/// (an adapter reports what it knows).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct KvStats {
     /// Rows that sequences can see.
     pub bytes_live: u64,
@@ -109,6 +112,14 @@ pub trait KvCache {
     fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<SeqId>>;
 
     fn stats(&self) -> KvStats;
+
+    /// Check the backend's books: every storage unit is free or owned by a live sequence, and
+    /// what it records about ownership matches what the sequences hold. A leak produces the
+    /// same tokens, so no verdict sees it; this does. Dense buffers are owned by their
+    /// sequence outright and have no books to balance.
+    fn audit(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// One layer's K/V for a batch of sequences, as [`KvCache::read_batch`] returns it.
@@ -213,5 +224,9 @@ impl<T> SeqMap<T> {
 
     pub(crate) fn values(&self) -> impl Iterator<Item = &T> {
         self.seqs.values()
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (SeqId, &T)> {
+        self.seqs.iter().map(|(id, v)| (*id, v))
     }
 }

@@ -3,7 +3,7 @@
 
 use mlx_rs::{Array, Dtype};
 
-use crate::checkpoint::weights::Expect;
+use crate::checkpoint::weights::{Expect, packed_layout};
 use crate::checkpoint::{QuantSpec, Quantization, WeightStore};
 use crate::error::Result;
 
@@ -51,7 +51,9 @@ impl Linear {
         match quantized_spec(w, quant, path) {
             Some(spec) => {
                 let (weight, scales, biases) = load_packed(w, path, input, output, spec, opts)?;
-                if opts.dequantize {
+                // Not over placeholders: the load fails anyway, and an absurd shape must not
+                // be materialised.
+                if opts.dequantize && w.problems().is_empty() {
                     let dense =
                         mlx_rs::ops::dequantize(&weight, &scales, &biases, spec.group_size as i32, spec.bits as i32)?;
                     // Materialise now: the cost belongs to loading, and the packed form is freed.
@@ -171,11 +173,25 @@ fn load_packed(
     spec: QuantSpec,
     opts: &LoadOptions,
 ) -> Result<(Array, Array, Array)> {
-    let packed_cols = input * spec.bits / 32;
-    let groups = input / spec.group_size.max(1);
-    let weight = w.take(&format!("{path}.weight"), Expect::packed(&[output, packed_cols]))?;
-    let scales = cast(w.take(&format!("{path}.scales"), Expect::float(&[output, groups]))?, opts)?;
-    let biases = cast(w.take(&format!("{path}.biases"), Expect::float(&[output, groups]))?, opts)?;
+    let names = ["weight", "scales", "biases"].map(|t| format!("{path}.{t}"));
+    let [weight, scales, biases] = match packed_layout(input, output, spec) {
+        Ok(layout) => layout,
+        Err(why) => {
+            // The layout itself is impossible: one problem, and the tensors are set aside
+            // rather than each reported as a shape mismatch against a meaningless layout.
+            w.problem(&names[0], why);
+            for n in &names {
+                w.discard(n);
+            }
+            let p = Expect::packed(&[output, 1]).placeholder()?;
+            let f = Expect::float(&[output, 1]).placeholder()?;
+            return Ok((p, f.clone(), f));
+        }
+    };
+    let [nw, ns, nb] = &names;
+    let weight = w.take(nw, weight)?;
+    let scales = cast(w.take(ns, scales)?, opts)?;
+    let biases = cast(w.take(nb, biases)?, opts)?;
     Ok((weight, scales, biases))
 }
 

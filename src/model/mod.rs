@@ -51,8 +51,6 @@ pub struct Model {
     rope: Rope,
     /// Planted faults (see `faults`); a runtime setting, none by default.
     faults: std::cell::Cell<Faults>,
-    /// How [`Model::forward`] runs attention; a runtime setting, batched by default.
-    mode: std::cell::Cell<AttentionMode>,
 }
 
 /// One row of a forward step: a sequence and the tokens to append to it. Rows in one step
@@ -119,6 +117,9 @@ impl Model {
         };
         let lm_head =
             if tied { None } else { Some(Linear::load(w, q, "lm_head", c.hidden_size, c.vocab_size, false, &opts)?) };
+        // Every tensor problem the loaders found (missing, shape, dtype, quantized layout), at
+        // once: the one validation `inspect` shares.
+        w.finish()?;
         let rope = Rope::new(c)?;
         Ok(Model {
             config,
@@ -130,7 +131,6 @@ impl Model {
             lm_head,
             rope,
             faults: std::cell::Cell::new(Faults::NONE),
-            mode: std::cell::Cell::new(AttentionMode::default()),
         })
     }
 
@@ -151,21 +151,14 @@ impl Model {
         self.faults.set(faults);
     }
 
-    pub fn attention_mode(&self) -> AttentionMode {
-        self.mode.get()
-    }
-
-    pub fn set_attention_mode(&self, mode: AttentionMode) {
-        self.mode.set(mode);
-    }
-
     pub fn tied_embeddings(&self) -> bool {
         self.lm_head.is_none()
     }
 
-    /// Run one step for `rows` with the model's attention mode (see [`Model::forward_mode`]).
+    /// Run one step for `rows` with batched attention (see [`Model::forward_mode`]). The mode
+    /// is the caller's (a builtin path's), not the model's: one loaded model serves every path.
     pub fn forward(&self, kv: &mut dyn KvCache, rows: &[RowStep]) -> Result<Array> {
-        self.forward_mode(kv, rows, self.mode.get())
+        self.forward_mode(kv, rows, AttentionMode::Batched)
     }
 
     /// Run one step for `rows` and return the logits `[B, vocab]` at each row's `logits_at`.
@@ -242,7 +235,7 @@ impl Model {
         // Only the selected position of each row goes through the final norm and the head.
         let x = match pick {
             None => x.squeeze_axes(&[1])?,
-            Some(pick) => x.take_along_axis(&Array::from_slice(&pick, &[b, 1, 1]), 1)?.squeeze_axes(&[1])?,
+            Some(pick) => x.take_along_axis(Array::from_slice(&pick, &[b, 1, 1]), 1)?.squeeze_axes(&[1])?,
         };
         let x = self.norm.forward(&x)?;
         let logits = match &self.lm_head {

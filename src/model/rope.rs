@@ -137,7 +137,7 @@ mod tests {
             let b = b as i32;
             let row = rope.apply(&x.index((b..b + 1, .., .., ..)), off).unwrap();
             let diff = batch.index((b..b + 1, .., .., ..)).subtract(&row).unwrap().abs().unwrap().max(None).unwrap();
-            assert_eq!(diff.item::<f32>(), 0.0, "row {b} at offset {off}");
+            assert_eq!(diff.item_exact::<f32>(), 0.0, "row {b} at offset {off}");
         }
         let short = Array::from_slice(&[0, 1], &[2]);
         assert!(rope.apply_batch(&x, &short).is_err(), "one offset per row");

@@ -5,7 +5,7 @@
 
 use std::fmt::Write;
 
-use super::table::{case_id, details, failing, first_line};
+use super::table::{details, failing, first_line};
 use super::{CheckpointReport, Report, Row};
 use crate::compare::Verdict;
 
@@ -75,7 +75,7 @@ fn suite(out: &mut String, report: &Report, name: &str, checkpoint: Option<&Chec
     }
     let classname = escape(&format!("{}.{}", report.suite, name));
     for row in rows {
-        let _ = write!(out, "    <testcase classname=\"{classname}\" name=\"{}\" time=\"0\"", escape(&case_id(row)));
+        let _ = write!(out, "    <testcase classname=\"{classname}\" name=\"{}\" time=\"0\"", escape(&row.case_id()));
         let detail = |tag: &str, message: &str, body: &str| {
             format!(">\n      <{tag} message=\"{}\">{}</{tag}>\n    </testcase>\n", escape(message), escape_text(body))
         };

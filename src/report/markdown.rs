@@ -6,7 +6,7 @@
 
 use std::fmt::Write;
 
-use super::table::{counts, details, failing, first_line, groups, plural, row_id};
+use super::table::{counts, details, failing, first_line, groups, plural};
 use super::{CheckpointStatus, Report, Row};
 use crate::compare::Verdict;
 
@@ -20,7 +20,11 @@ pub fn render(report: &Report) -> String {
     let mut meta = format!(
         "Suite {}, parity {}, MLX {} on {} ({}/{})",
         code(&report.suite_file),
-        code(&report.parity_version),
+        code(&if report.parity_commit.is_empty() {
+            report.parity_version.clone()
+        } else {
+            format!("{} ({})", report.parity_version, report.parity_commit)
+        }),
         code(&env.mlx_version),
         env.device,
         env.os,
@@ -145,7 +149,7 @@ fn failures(out: &mut String, report: &Report) {
         let _ = writeln!(
             out,
             "<details>\n<summary><code>{}</code>: {}</summary>\n",
-            html(&row_id(row)),
+            html(&row.id()),
             html(first_line(Some(failure)))
         );
         let mut parts: Vec<String> = Vec::new();

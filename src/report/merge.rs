@@ -48,10 +48,7 @@ pub fn merge(reports: Vec<Report>) -> Result<Report, String> {
                 row.backend.as_str(),
             );
             if *seen.entry(key).or_insert(i) != i {
-                return Err(format!(
-                    "row {} is in more than one report (the same run given twice?)",
-                    super::table::row_id(row)
-                ));
+                return Err(format!("row {} is in more than one report (the same run given twice?)", row.id()));
             }
         }
     }
@@ -83,6 +80,7 @@ pub fn merge(reports: Vec<Report>) -> Result<Report, String> {
         suite: base.suite.clone(),
         suite_file: base.suite_file.clone(),
         parity_version: base.parity_version.clone(),
+        parity_commit: base.parity_commit.clone(),
         environment: base.environment.clone(),
         shard: None,
         faults: base.faults.clone(),
@@ -100,6 +98,14 @@ fn same(a: &Report, b: &Report, what: &str, f: impl Fn(&Report) -> String) -> Re
 /// Either every report is a shard of the same split and together they are all of it, or
 /// none is a shard (runs split by hand with `--filter`; duplicates are caught per row).
 fn check_shards(reports: &[Report]) -> Result<(), String> {
+    // Shards of one run come from one build: a merge across commits would report a
+    // regression that no single build has.
+    if let Some(other) = reports.iter().find(|r| r.parity_commit != reports[0].parity_commit) {
+        return Err(format!(
+            "cannot merge reports of different builds: parity {} and {}",
+            reports[0].parity_commit, other.parity_commit
+        ));
+    }
     let shards: Vec<_> = reports.iter().filter_map(|r| r.shard).collect();
     if shards.is_empty() {
         return Ok(());

@@ -23,6 +23,9 @@ pub struct Report {
     pub suite: String,
     pub suite_file: String,
     pub parity_version: String,
+    /// The git commit parity was built from (`-dirty`: with uncommitted changes).
+    #[serde(default)]
+    pub parity_commit: String,
     pub environment: Environment,
     /// Set when this report covers one shard of the suite (`--shard I/N`).
     pub shard: Option<Shard>,
@@ -80,6 +83,14 @@ pub struct CheckpointReport {
     pub phases: Vec<Phase>,
     /// Noise floor per prompt: the reference re-run in a different batch composition.
     pub noise_floor: BTreeMap<String, Option<f32>>,
+    /// The engine that served the paths (absent when none started).
+    #[serde(default)]
+    pub engine: Option<crate::engine::EngineId>,
+    /// Where the references came from: engine and path.
+    #[serde(default)]
+    pub reference_engine: Option<crate::engine::EngineId>,
+    #[serde(default)]
+    pub reference_path: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -120,6 +131,25 @@ pub struct Row {
     /// KV memory of the case's store at its end (peak included); absent when it did not run.
     #[serde(default)]
     pub kv: Option<crate::kv::KvStats>,
+}
+
+impl Row {
+    /// `checkpoint/prompt/scenario:case/backend`: the one id every report prints for a row,
+    /// and exactly what `--filter` matches (a substring of it), so an id copied from any
+    /// report selects that row.
+    pub fn id(&self) -> String {
+        row_id(&self.checkpoint, &self.prompt, &self.scenario, &self.case, &self.backend)
+    }
+
+    /// The id inside its checkpoint (JUnit's test name; the class is the checkpoint).
+    pub fn case_id(&self) -> String {
+        format!("{}/{}:{}/{}", self.prompt, self.scenario, self.case, self.backend)
+    }
+}
+
+/// A row's id from its parts, for selecting rows before they exist.
+pub fn row_id(checkpoint: &str, prompt: &str, scenario: &str, case: &str, path: &str) -> String {
+    format!("{checkpoint}/{prompt}/{scenario}:{case}/{path}")
 }
 
 /// Where a path first chose differently from its reference, in layout terms.

@@ -51,10 +51,24 @@ impl UpdateMode {
     }
 }
 
-/// The snapshot directory of a suite on this run's device.
-pub fn dir(reports: &Path, report: &Report) -> PathBuf {
+/// The snapshot directory of a suite on this run's device. The suite name and the device
+/// become path components, so each must be a plain file name (the suite parser already
+/// rejects others; this holds for reports built any other way too, e.g. merged JSON).
+pub fn dir(reports: &Path, report: &Report) -> std::io::Result<PathBuf> {
+    let component = |what: &str, name: &str| {
+        crate::names::check_component(name).map_err(|why| outside(format!("{what} `{name}` {why}")))
+    };
+    component("suite name", &report.suite)?;
     let base = reports.join(&report.suite);
-    if report.environment.device == "cpu" { base } else { base.join(&report.environment.device) }
+    if report.environment.device == "cpu" {
+        return Ok(base);
+    }
+    component("device", &report.environment.device)?;
+    Ok(base.join(&report.environment.device))
+}
+
+fn outside(message: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("refusing to write a snapshot: {message}"))
 }
 
 /// File stem and content of every snapshot this report yields: one per (checkpoint, scenario)
@@ -81,6 +95,15 @@ pub fn render(report: &Report) -> BTreeMap<String, String> {
         let _ = writeln!(s, "dtype: {}", c.dtype);
         if c.dequantized {
             let _ = writeln!(s, "dequantized: true");
+        }
+        // Builtin runs keep the header they always had; other engines say who served the
+        // paths and where the reference came from (names only: a version bump is not a change
+        // of behaviour to review).
+        if let Some(e) = c.engine.as_ref().filter(|e| e.kind != "builtin") {
+            let _ = writeln!(s, "engine: {} ({})", yaml_str(&e.name), e.kind);
+            if let (Some(re), Some(rp)) = (&c.reference_engine, &c.reference_path) {
+                let _ = writeln!(s, "reference: {}", yaml_str(&format!("{} {} ({})", re.name, rp, re.kind)));
+            }
         }
         let st = &c.settings;
         let _ = writeln!(
@@ -195,11 +218,30 @@ pub struct Checked {
 }
 
 /// Compare rendered snapshots with the accepted ones in `dir`, writing per `mode`.
-pub fn check(dir: &Path, rendered: &BTreeMap<String, String>, mode: UpdateMode) -> std::io::Result<Checked> {
+///
+/// Defence in depth against path traversal: nothing is read or written unless `dir` and every
+/// file in it resolve inside `root` (the reports folder), whatever names the report carries.
+/// The suite parser rejects unsafe names first; this guard holds for any caller.
+pub fn check(
+    root: &Path,
+    dir: &Path,
+    rendered: &BTreeMap<String, String>,
+    mode: UpdateMode,
+) -> std::io::Result<Checked> {
+    if !crate::names::contained(root, dir) {
+        return Err(outside(format!("{} is outside the reports folder {}", dir.display(), root.display())));
+    }
     let mut out = Checked::default();
     for (stem, content) in rendered {
+        crate::names::check_component(stem).map_err(|why| outside(format!("file name `{stem}` {why}")))?;
         let accepted = dir.join(format!("{stem}.snap"));
         let pending = dir.join(format!("{stem}.snap.new"));
+        // Checked again after the stem: a symlinked file could still point out of the root.
+        for p in [&accepted, &pending] {
+            if !crate::names::contained(root, p) {
+                return Err(outside(format!("{} resolves outside {}", p.display(), root.display())));
+            }
+        }
         let old = std::fs::read_to_string(&accepted).ok();
         if old.as_deref() == Some(content.as_str()) {
             if pending.exists() {
@@ -267,6 +309,69 @@ mod tests {
         assert_eq!(bucket(1.0e-3, 1e-3), "within tolerance");
         assert_eq!(bucket(1.5e-2, 1e-3), "\"> tolerance, < 1e-1\"");
         assert_eq!(bucket(f32::NAN, 1e-3), "nan");
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("parity-snapshot-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("scratch");
+        d
+    }
+
+    fn one(stem: &str) -> BTreeMap<String, String> {
+        BTreeMap::from([(stem.to_string(), "content\n".to_string())])
+    }
+
+    /// Defence in depth for issue #14 (a suite named `../../../x` wrote three folders above
+    /// reports/): whatever a report's names are, the writer stays inside its root.
+    #[test]
+    fn the_writer_refuses_every_path_outside_its_root() {
+        let base = scratch("escape");
+        let root = base.join("reports");
+        let refused = |dir: &Path, stem: &str| {
+            let e = check(&root, dir, &one(stem), UpdateMode::New).expect_err("must refuse");
+            assert!(e.to_string().contains("refusing to write a snapshot"), "{e}");
+        };
+        refused(&root.join("../../../x"), "a__single");
+        refused(&base.join("elsewhere"), "a__single");
+        refused(Path::new("/tmp"), "a__single");
+        refused(&root.join("fixtures"), "../../x__single");
+        refused(&root.join("fixtures"), "..");
+        assert!(!base.join("x").exists() && !base.join("elsewhere").exists(), "nothing written outside");
+        #[cfg(unix)]
+        {
+            std::fs::create_dir_all(base.join("outside")).expect("dir");
+            std::fs::create_dir_all(&root).expect("root");
+            std::os::unix::fs::symlink(base.join("outside"), root.join("linked")).expect("symlink");
+            refused(&root.join("linked"), "a__single");
+            assert_eq!(std::fs::read_dir(base.join("outside")).expect("read").count(), 0);
+        }
+        // Inside the root it writes as before.
+        let ok = check(&root, &root.join("fixtures"), &one("a__single"), UpdateMode::New).expect("inside");
+        assert_eq!(ok.changes.len(), 1);
+        assert!(root.join("fixtures/a__single.snap.new").is_file());
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    #[test]
+    fn the_snapshot_dir_refuses_a_suite_name_that_is_not_a_file_name() {
+        let report = |suite: &str, device: &str| -> Report {
+            serde_json::from_value(serde_json::json!({
+                "schema": 1, "suite": suite, "suite_file": "s.toml", "parity_version": "0",
+                "environment": {"mlx_version": "0", "device": device, "os": "linux", "arch": "x86_64"},
+                "shard": null, "faults": [], "checkpoints": [], "rows": [],
+                "summary": {"rows": 0, "passed": 0, "failed": 0, "skipped": 0, "by_verdict": {},
+                            "snapshot_changes": [], "seconds": 0.0}
+            }))
+            .expect("report")
+        };
+        let root = Path::new("reports");
+        assert_eq!(dir(root, &report("fixtures", "cpu")).expect("plain"), root.join("fixtures"));
+        assert_eq!(dir(root, &report("fixtures", "gpu")).expect("plain"), root.join("fixtures/gpu"));
+        for bad in ["../../../x", "/etc", "..", "a/b"] {
+            assert!(dir(root, &report(bad, "cpu")).is_err(), "{bad}");
+        }
+        assert!(dir(root, &report("fixtures", "../x")).is_err());
     }
 
     #[test]

@@ -16,39 +16,68 @@ const VERDICTS: [Verdict; 5] =
 /// Indent of the detail lines under a `FAIL` header.
 const INDENT: &str = "    ";
 
+/// Column widths of the group lines: from the rows of a finished report, or from the suite
+/// before anything ran (lines streamed as units finish stay aligned).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Widths {
+    pub checkpoint: usize,
+    pub scenario: usize,
+    pub backend: usize,
+}
+
+impl Widths {
+    pub fn of(rows: &[Row]) -> Self {
+        let w = |f: fn(&Row) -> &str| rows.iter().map(|r| f(r).len()).max().unwrap_or(0);
+        Widths { checkpoint: w(|r| &r.checkpoint), scenario: w(|r| &r.scenario), backend: w(|r| &r.backend) }
+    }
+}
+
+/// The whole summary: a line per (checkpoint, scenario, backend), then [`tail`].
 pub fn render(report: &Report, color: bool) -> String {
-    let paint = Paint(color);
     let mut out = String::new();
     if !report.faults.is_empty() {
         let _ = writeln!(out, "planted faults: {}", report.faults.join(", "));
         out.push('\n');
     }
-
-    let groups = groups(&report.rows);
-    let width = |f: fn(&Row) -> &str| groups.iter().map(|g| f(g[0]).len()).max().unwrap_or(0);
-    let (wc, ws, wb) =
-        (width(|r| r.checkpoint.as_str()), width(|r| r.scenario.as_str()), width(|r| r.backend.as_str()));
-    for g in &groups {
-        // A checkpoint that was not there gets one SKIP line with its reason, below.
-        if g.iter().all(|r| r.verdict == Verdict::Skipped) {
-            continue;
+    let widths = Widths::of(&report.rows);
+    for g in &groups(&report.rows) {
+        if let Some(line) = group_line(g, &widths, color) {
+            out.push_str(&line);
         }
-        let failed = g.iter().filter(|r| failing(r)).count();
-        let status = if failed > 0 {
-            paint.red("FAIL")
-        } else if g.iter().all(|r| r.verdict == Verdict::Skipped) {
-            paint.yellow("SKIP")
-        } else {
-            paint.green("PASS")
-        };
-        let mut counts = counts(g.iter().copied());
-        if failed > 0 {
-            let _ = write!(counts, "; {failed} failed");
-        }
-        let _ =
-            writeln!(out, "{status}  {:wc$}  {:ws$}  {:wb$}  {counts}", g[0].checkpoint, g[0].scenario, g[0].backend);
     }
+    out.push_str(&tail(report, color));
+    out
+}
 
+/// `PASS  checkpoint  scenario  backend  12 identical` for one group of rows; `None` for a
+/// group of skipped rows only (an absent checkpoint gets one SKIP line in [`tail`]).
+pub fn group_line(g: &[&Row], w: &Widths, color: bool) -> Option<String> {
+    let paint = Paint(color);
+    let first = g.first()?;
+    if g.iter().all(|r| r.verdict == Verdict::Skipped) && g.iter().all(|r| r.case == "*") {
+        return None;
+    }
+    let failed = g.iter().filter(|r| failing(r)).count();
+    let status = if failed > 0 {
+        paint.red("FAIL")
+    } else if g.iter().all(|r| r.verdict == Verdict::Skipped) {
+        paint.yellow("SKIP")
+    } else {
+        paint.green("PASS")
+    };
+    let mut counts = counts(g.iter().copied());
+    if failed > 0 {
+        let _ = write!(counts, "; {failed} failed");
+    }
+    let (wc, ws, wb) = (w.checkpoint, w.scenario, w.backend);
+    Some(format!("{status}  {:wc$}  {:ws$}  {:wb$}  {counts}\n", first.checkpoint, first.scenario, first.backend))
+}
+
+/// What follows the group lines: checkpoint errors, a block per failing row, skipped
+/// checkpoints, where the time went, snapshot changes and the totals.
+pub fn tail(report: &Report, color: bool) -> String {
+    let paint = Paint(color);
+    let mut out = String::new();
     for c in &report.checkpoints {
         if c.status != CheckpointStatus::Error {
             continue;
@@ -65,7 +94,7 @@ pub fn render(report: &Report, color: bool) -> String {
         if checkpoint.is_some_and(|c| c.status == CheckpointStatus::Error) {
             continue;
         }
-        let _ = writeln!(out, "\n{} {}", paint.red("FAIL"), row_id(row));
+        let _ = writeln!(out, "\n{} {}", paint.red("FAIL"), row.id());
         for (label, value) in details(row, checkpoint) {
             for (k, line) in value.lines().enumerate() {
                 let label = if k == 0 { label } else { "" };
@@ -127,17 +156,6 @@ fn phase_line(c: &CheckpointReport) -> String {
 /// A row that counts as failed in the summary (see `Summary::of`).
 pub(crate) fn failing(row: &Row) -> bool {
     !row.pass && row.verdict != Verdict::Skipped
-}
-
-/// `checkpoint/prompt/scenario:case/backend`: what `--filter` matches, and what a reviewer
-/// searches the JSON report for.
-pub(crate) fn row_id(row: &Row) -> String {
-    format!("{}/{}", row.checkpoint, case_id(row))
-}
-
-/// The row's id inside its checkpoint.
-pub(crate) fn case_id(row: &Row) -> String {
-    format!("{}/{}:{}/{}", row.prompt, row.scenario, row.case, row.backend)
 }
 
 /// Rows grouped by (checkpoint, scenario, backend), in order of first appearance, so the

@@ -5,37 +5,43 @@
 //! - `ragged`: the prompt in batch row 1 next to a prompt of another length in row 0, so the
 //!   rows' positions differ and exchanging or sharing them shows.
 
-use super::{CaseOutput, Harness, Live, Prompt, case, decode_all, prefill, ragged_partner};
-use crate::error::Result;
-use crate::kv::Backend;
+use super::{CaseOutput, Harness, Live, Prompt, attempt, case, decode_all, need_batch, prefill, ragged_partner};
+use crate::engine::EnginePath;
 
-pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
+pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
     let mut out = Vec::new();
+    let steps = h.settings.max_tokens;
     for (i, p) in prompts.iter().enumerate() {
-        let reference = h.reference(&p.ids)?;
-        let steps = h.settings.max_tokens;
-
-        let mut kv = h.kv(backend)?;
-        let mut lives = [Live::new(kv.create(0)?, &reference, steps), Live::new(kv.create(0)?, &reference, steps)];
-        for live in lives.iter_mut() {
-            prefill(h.model, kv.as_mut(), live, &p.ids)?;
-        }
-        decode_all(h.model, kv.as_mut(), &mut lives)?;
-        out.push(case(kv.as_ref(), "same", p, lives.into_iter().map(|l| l.trace).collect()));
+        attempt(h, &mut out, &[(p, "same")], |h| {
+            need_batch(path, 2)?;
+            let reference = h.reference(&p.ids)?;
+            let mut s = path.session(h.faults)?;
+            let mut lives = [Live::new(s.create(0)?, &reference, steps), Live::new(s.create(0)?, &reference, steps)];
+            for live in lives.iter_mut() {
+                prefill(s.as_mut(), live, &p.ids)?;
+            }
+            decode_all(s.as_mut(), &mut lives)?;
+            Ok(vec![case(s.as_mut(), "same", p, lives.into_iter().map(|l| l.trace).collect())?])
+        });
 
         if let Some(j) = ragged_partner(prompts, i) {
-            let other = &prompts[j];
-            let other_ref = h.reference(&other.ids)?;
-            let mut kv = h.kv(backend)?;
-            let mut lives = [Live::new(kv.create(0)?, &other_ref, steps), Live::new(kv.create(0)?, &reference, steps)];
-            prefill(h.model, kv.as_mut(), &mut lives[0], &other.ids)?;
-            prefill(h.model, kv.as_mut(), &mut lives[1], &p.ids)?;
-            decode_all(h.model, kv.as_mut(), &mut lives)?;
-            let [_, mine] = lives;
-            let mut c = case(kv.as_ref(), "ragged", p, vec![mine.trace]);
-            c.notes.push(format!("row 0: {} ({} tokens)", other.name, other.ids.len()));
-            out.push(c);
+            attempt(h, &mut out, &[(p, "ragged")], |h| {
+                need_batch(path, 2)?;
+                let other = &prompts[j];
+                let reference = h.reference(&p.ids)?;
+                let other_ref = h.reference(&other.ids)?;
+                let mut s = path.session(h.faults)?;
+                let mut lives =
+                    [Live::new(s.create(0)?, &other_ref, steps), Live::new(s.create(0)?, &reference, steps)];
+                prefill(s.as_mut(), &mut lives[0], &other.ids)?;
+                prefill(s.as_mut(), &mut lives[1], &p.ids)?;
+                decode_all(s.as_mut(), &mut lives)?;
+                let [_, mine] = lives;
+                let mut c = case(s.as_mut(), "ragged", p, vec![mine.trace])?;
+                c.notes.push(format!("row 0: {} ({} tokens)", other.name, other.ids.len()));
+                Ok(vec![c])
+            });
         }
     }
-    Ok(out)
+    out
 }

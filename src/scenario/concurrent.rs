@@ -3,9 +3,9 @@
 //! finished paged row releases its blocks and later rows reuse them. Every request is
 //! compared with its own dense single reference. Same schedule, same result.
 
-use super::{CaseOutput, Harness, Live, Prompt, case, decode_step, prefill};
+use super::{CaseOutput, Harness, Live, Outcome, Prompt, case, decode_step, need_batch, prefill};
+use crate::engine::{EnginePath, Session};
 use crate::error::{Error, Result};
-use crate::kv::Backend;
 
 struct Request {
     index: usize,
@@ -15,20 +15,55 @@ struct Request {
     live: Live,
 }
 
-pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
+/// One schedule for all prompts: if it cannot run, every prompt's row says why.
+pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
+    // One schedule: it runs whole if any of its requests' rows is wanted.
+    let n = h.settings.concurrent.requests;
+    if prompts.is_empty() || !(0..n).any(|j| h.wants(&prompts[j % prompts.len()].name, &format!("req{j}"))) {
+        return Vec::new();
+    }
+    match schedule(h, path, prompts) {
+        Ok(cases) => cases,
+        Err(e) => {
+            let outcome = match e {
+                Error::Unsupported(why) => Outcome::Skipped(why),
+                e => Outcome::Failed(e.to_string()),
+            };
+            prompts
+                .iter()
+                .map(|p| CaseOutput {
+                    case: "*".into(),
+                    prompt: p.clone(),
+                    paths: Vec::new(),
+                    notes: Vec::new(),
+                    kv: None,
+                    outcome: outcome.clone(),
+                    audit: None,
+                })
+                .collect()
+        }
+    }
+}
+
+fn schedule(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
     let s = h.settings.concurrent.clone();
     if prompts.is_empty() || s.requests == 0 || s.max_batch == 0 || s.arrivals.is_empty() {
         return Err(Error::Invalid("concurrent needs prompts, requests > 0, max_batch > 0 and arrivals".into()));
     }
+    need_batch(path, s.max_batch.min(s.requests))?;
     let max_tokens = h.settings.max_tokens;
-    let mut kv = h.kv(backend)?;
+    let mut references = Vec::with_capacity(s.requests);
+    for j in 0..s.requests {
+        references.push(h.reference(&prompts[j % prompts.len()].ids)?);
+    }
+    let mut session = path.session(h.faults)?;
     let mut pending = Vec::new();
     for j in 0..s.requests {
         let prompt = prompts[j % prompts.len()].clone();
-        let reference = h.reference(&prompt.ids)?;
+        let reference = &references[j];
         // Staggered lengths, so rows leave at different steps as well as join at them.
         let steps = max_tokens.saturating_sub((j % 3) * (max_tokens / 4)).max(1);
-        let live = Live::new(kv.create(0)?, &reference, steps);
+        let live = Live::new(session.create(0)?, reference, steps);
         pending.push(Request { index: j, prompt, arrival: s.arrivals[j % s.arrivals.len()], joined: None, live });
     }
     // Requests keep their creation order among equal arrivals.
@@ -43,11 +78,11 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
             let Some(mut r) = pending.pop_front() else {
                 break;
             };
-            prefill(h.model, kv.as_mut(), &mut r.live, &r.prompt.ids)?;
+            prefill(session.as_mut(), &mut r.live, &r.prompt.ids)?;
             r.joined = Some(step);
             active.push(r);
         }
-        retire(kv.as_mut(), &mut active, &mut finished)?;
+        retire(session.as_mut(), &mut active, &mut finished)?;
         if active.is_empty() {
             if let Some(next) = pending.front() {
                 step = step.max(next.arrival);
@@ -56,33 +91,33 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         }
         peak_batch = peak_batch.max(active.len());
         let mut lives: Vec<&mut Live> = active.iter_mut().map(|r| &mut r.live).collect();
-        decode_step(h.model, kv.as_mut(), &mut lives)?;
-        retire(kv.as_mut(), &mut active, &mut finished)?;
+        decode_step(session.as_mut(), &mut lives)?;
+        retire(session.as_mut(), &mut active, &mut finished)?;
         step += 1;
     }
     finished.sort_by_key(|r| r.index);
-    Ok(finished
+    finished
         .into_iter()
         .map(|r| {
-            let mut c = case(kv.as_ref(), format!("req{}", r.index), &r.prompt, vec![r.live.trace]);
+            let mut c = case(session.as_mut(), format!("req{}", r.index), &r.prompt, vec![r.live.trace])?;
             c.notes.push(format!(
                 "arrived step {}, joined step {}, {} steps, peak batch {peak_batch}",
                 r.arrival,
                 r.joined.unwrap_or(r.arrival),
                 r.live.steps
             ));
-            c
+            Ok(c)
         })
-        .collect())
+        .collect()
 }
 
 /// Finished rows leave the batch and give their storage back.
-fn retire(kv: &mut dyn crate::kv::KvCache, active: &mut Vec<Request>, finished: &mut Vec<Request>) -> Result<()> {
+fn retire(session: &mut dyn Session, active: &mut Vec<Request>, finished: &mut Vec<Request>) -> Result<()> {
     let mut i = 0;
     while i < active.len() {
         if active[i].live.done() {
             let r = active.remove(i);
-            kv.release(r.live.seq)?;
+            session.release(r.live.seq)?;
             finished.push(r);
         } else {
             i += 1;

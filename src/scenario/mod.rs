@@ -1,6 +1,6 @@
 //! Decode scenarios: the ways an engine batches, pads, chunks, trims and shares sequences.
-//! Each scenario is a small module that builds a plan and runs it on one backend through the
-//! same [`Model::forward`]; adding one never touches the model code.
+//! Each scenario is a small module that builds a plan and runs it on one path through the
+//! engine interface ([`Session`]); adding one never touches an engine.
 //!
 //! Every path is teacher-forced with its prompt's reference tokens (the dense single-sequence
 //! unpadded run): at each step the path's own greedy choice and its full logits row are
@@ -21,11 +21,11 @@ use std::collections::HashMap;
 use mlx_rs::Array;
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{self, Trace};
+use crate::engine::{self, EnginePath, PathInfo, Session, Trace};
 use crate::error::{Error, Result};
 use crate::faults::Faults;
-use crate::kv::{Backend, DenseCache, KvCache, KvStats, PagedBlockPool, PoolOptions, SeqId};
-use crate::model::{Model, RowStep};
+use crate::kv::{KvStats, SeqId};
+use crate::model::RowStep;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -66,15 +66,17 @@ impl Scenario {
         ALL.iter().copied().find(|x| x.name() == s)
     }
 
-    pub fn run(self, h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
+    /// Every case of this scenario for `prompts` on `path`. Never fails as a whole: a case
+    /// that cannot run is a failed or skipped case, and the others go on.
+    pub fn run(self, h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
         match self {
-            Scenario::Single => single::run(h, backend, prompts),
-            Scenario::Batch2 => batch2::run(h, backend, prompts),
-            Scenario::Concurrent => concurrent::run(h, backend, prompts),
-            Scenario::Padded => padded::run(h, backend, prompts),
-            Scenario::Chunked => chunked::run(h, backend, prompts),
-            Scenario::Rollback => rollback::run(h, backend, prompts),
-            Scenario::Prefix => prefix::run(h, backend, prompts),
+            Scenario::Single => single::run(h, path, prompts),
+            Scenario::Batch2 => batch2::run(h, path, prompts),
+            Scenario::Concurrent => concurrent::run(h, path, prompts),
+            Scenario::Padded => padded::run(h, path, prompts),
+            Scenario::Chunked => chunked::run(h, path, prompts),
+            Scenario::Rollback => rollback::run(h, path, prompts),
+            Scenario::Prefix => prefix::run(h, path, prompts),
         }
     }
 }
@@ -163,7 +165,17 @@ pub struct PathTrace {
     pub layout: Vec<StepLayout>,
 }
 
-/// The outcome of one case of a scenario on one backend: the paths that share a prompt.
+/// How a case ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Ran,
+    /// The path cannot do what the case needs (a capability it lacks): a named skip.
+    Skipped(String),
+    /// The case could not finish (an engine error, a trim that did less than asked, ...).
+    Failed(String),
+}
+
+/// The outcome of one case of a scenario on one path: the sequences that share a prompt.
 #[derive(Debug, Clone)]
 pub struct CaseOutput {
     /// e.g. `same`, `ragged`, `req3`, `tile`, `while-running`.
@@ -172,72 +184,74 @@ pub struct CaseOutput {
     pub paths: Vec<PathTrace>,
     /// Facts worth printing next to the verdict (e.g. `padded 37 -> 64, trimmed 27`).
     pub notes: Vec<String>,
-    /// The KV store's memory when the case ended: what dense and paged held for the same work.
-    pub kv: KvStats,
+    /// The KV store's memory when the case ended (absent when the path does not report it).
+    pub kv: Option<KvStats>,
+    pub outcome: Outcome,
+    /// The KV store's books when the case ended ([`Session::audit`]): a leak or refcount
+    /// mismatch, naming the blocks, fails the row even when every token matches.
+    pub audit: Option<String>,
 }
 
-/// What scenarios share for one checkpoint: the model, the settings, the planted faults, and
-/// the dense single-sequence references (computed once per prompt, reused by every scenario
-/// and backend).
-pub struct Harness<'m> {
-    pub model: &'m Model,
+/// What scenarios share for one checkpoint: the settings, the planted faults, and the
+/// reference path with its single-sequence traces (computed once per prompt, reused by every
+/// scenario and path). References always run fault-free.
+pub struct Harness<'r> {
     pub settings: Settings,
     pub faults: Faults,
+    /// The token used for padding: the checkpoint's pad token, else its first EOS, else 0.
+    pub pad_token: u32,
+    reference: &'r mut dyn EnginePath,
     references: HashMap<Vec<u32>, Trace>,
+    /// The rows (prompt name, case) this run wants; `None`: all of them.
+    select: Option<Selector<'r>>,
 }
 
-impl<'m> Harness<'m> {
-    /// Scenarios run with `faults` planted (in the model and in paged pools); references
-    /// never do.
-    pub fn new(model: &'m Model, settings: Settings, faults: Faults) -> Self {
-        model.set_faults(faults);
-        Harness { model, settings, faults, references: HashMap::new() }
+/// Whether a row, named by its prompt and case, is wanted (`--filter`).
+pub type Selector<'r> = Box<dyn Fn(&str, &str) -> bool + 'r>;
+
+impl<'r> Harness<'r> {
+    /// Scenarios run with `faults` planted in the paths they drive; references never do.
+    pub fn new(reference: &'r mut dyn EnginePath, settings: Settings, faults: Faults, pad_token: u32) -> Self {
+        Harness { settings, faults, pad_token, reference, references: HashMap::new(), select: None }
     }
 
-    /// Run `f` with every planted fault switched off (references, the noise floor).
-    pub fn fault_free<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> T {
-        let saved = self.faults;
-        self.faults = Faults::NONE;
-        self.model.set_faults(Faults::NONE);
-        let out = f(self);
-        self.faults = saved;
-        self.model.set_faults(saved);
-        out
+    /// Run only the cases producing rows `select` wants (each scenario still sees every
+    /// prompt, so a selected row is computed exactly as in a full run: same ragged partner,
+    /// same batch). `None` selects everything.
+    pub fn select(&mut self, select: Option<Selector<'r>>) {
+        self.select = select;
     }
 
-    /// The reference for `prompt`: dense, one sequence, unpadded, greedy.
+    pub fn wants(&self, prompt: &str, case: &str) -> bool {
+        self.select.as_ref().is_none_or(|f| f(prompt, case))
+    }
+
+    /// The reference path (engine, dtype, capabilities), as reports name it.
+    pub fn reference_info(&self) -> &PathInfo {
+        self.reference.info()
+    }
+
+    /// The reference for `prompt`: the reference path, one sequence, unpadded, greedy.
     pub fn reference(&mut self, prompt: &[u32]) -> Result<Trace> {
         if let Some(t) = self.references.get(prompt) {
             return Ok(t.clone());
         }
-        let mut kv = DenseCache::new(self.model.kv_shape());
         let steps = self.settings.max_tokens;
-        let (_, trace) = self.fault_free(|h| engine::generate(h.model, &mut kv, prompt, steps))?;
+        let run = self.reference.session(Faults::NONE).and_then(|mut s| engine::generate(s.as_mut(), prompt, steps));
+        // The prompt cannot run on the reference path at all: its rows fail, saying where.
+        let (_, trace) = run.map_err(|e| match e {
+            Error::Unsupported(why) => Error::Unsupported(why),
+            e => Error::Invalid(format!("reference run failed: {e}")),
+        })?;
+        // Guard (issue #14): NaN in the reference is the checkpoint's, not the pool's.
+        crate::compare::require_finite("reference logits", &trace.logits)?;
         self.references.insert(prompt.to_vec(), trace.clone());
         Ok(trace)
     }
 
-    /// A fresh KV store of `backend` with this harness's settings and faults.
-    pub fn kv(&self, backend: Backend) -> Result<Box<dyn KvCache>> {
-        Ok(match backend {
-            Backend::Dense => Box::new(DenseCache::new(self.model.kv_shape())),
-            Backend::Paged => Box::new(PagedBlockPool::new(
-                self.model.kv_shape(),
-                PoolOptions {
-                    block_size: self.settings.block_size,
-                    max_blocks: self.settings.pool_blocks,
-                    poison: self.settings.poison,
-                    ..PoolOptions::default()
-                },
-                self.faults,
-            )?),
-        })
-    }
-
-    /// The token used for padding: the checkpoint's pad token, else its first EOS, else 0.
-    pub fn pad_token(&self) -> u32 {
-        let c = &self.model.config;
-        c.pad_token_id.or_else(|| c.eos_token_ids.first().copied()).unwrap_or(0)
+    /// A fault-free session of the reference path (the noise floor re-runs it batched).
+    pub fn reference_session(&mut self) -> Result<Box<dyn Session + '_>> {
+        self.reference.session(Faults::NONE)
     }
 }
 
@@ -281,12 +295,12 @@ impl Live {
 
 /// Record one step for `rows` from a forward's logits `[B, vocab]`. `fed_rows[i]` is the KV
 /// row of the token whose logits these are.
-pub fn record_step(kv: &dyn KvCache, lives: &mut [&mut Live], logits: &Array, fed_rows: &[usize]) -> Result<()> {
+pub fn record_step(s: &dyn Session, lives: &mut [&mut Live], logits: &Array, fed_rows: &[usize]) -> Result<()> {
     let tokens = engine::greedy(logits)?;
     let rows = engine::rows(logits)?;
     let b = lives.len();
     for (i, ((live, token), row)) in lives.iter_mut().zip(tokens).zip(rows).enumerate() {
-        let masked = kv.masked_prefix(live.seq)?;
+        let masked = s.masked_prefix(live.seq)?;
         let layout = StepLayout {
             kv_row: fed_rows[i],
             position: fed_rows[i].saturating_sub(masked),
@@ -300,41 +314,41 @@ pub fn record_step(kv: &dyn KvCache, lives: &mut [&mut Live], logits: &Array, fe
 }
 
 /// One batched decode step: every live row feeds its forced token.
-pub fn decode_step(model: &Model, kv: &mut dyn KvCache, lives: &mut [&mut Live]) -> Result<()> {
+pub fn decode_step(s: &mut dyn Session, lives: &mut [&mut Live]) -> Result<()> {
     let mut steps = Vec::with_capacity(lives.len());
     let mut fed = Vec::with_capacity(lives.len());
     for l in lives.iter() {
-        fed.push(kv.len(l.seq)?);
+        fed.push(s.len(l.seq)?);
         steps.push(RowStep::new(l.seq, vec![l.next_input()?]));
     }
-    let logits = model.forward(kv, &steps)?;
-    record_step(kv, lives, &logits, &fed)
+    let logits = s.forward(&steps)?;
+    record_step(s, lives, &logits, &fed)
 }
 
 /// Prefill one sequence (B=1) and record its first step.
-pub fn prefill(model: &Model, kv: &mut dyn KvCache, live: &mut Live, prompt: &[u32]) -> Result<()> {
-    let start = kv.len(live.seq)?;
-    let logits = model.forward(kv, &[RowStep::new(live.seq, prompt.to_vec())])?;
-    record_step(kv, &mut [live], &logits, &[start + prompt.len() - 1])
+pub fn prefill(s: &mut dyn Session, live: &mut Live, prompt: &[u32]) -> Result<()> {
+    let start = s.len(live.seq)?;
+    let logits = s.forward(&[RowStep::new(live.seq, prompt.to_vec())])?;
+    record_step(s, &mut [live], &logits, &[start + prompt.len() - 1])
 }
 
 /// Decode every live row, batched, until each has run its steps.
-pub fn decode_all(model: &Model, kv: &mut dyn KvCache, lives: &mut [Live]) -> Result<()> {
+pub fn decode_all(s: &mut dyn Session, lives: &mut [Live]) -> Result<()> {
     loop {
         let mut active: Vec<&mut Live> = lives.iter_mut().filter(|l| !l.done()).collect();
         if active.is_empty() {
             return Ok(());
         }
-        decode_step(model, kv, &mut active)?;
+        decode_step(s, &mut active)?;
     }
 }
 
 /// Trim exactly `n` rows, or fail: the guard against a trim that silently does less (the
 /// pool-backed trim no-op returned 0 and decode attended the pad rows).
-pub fn trim_exact(kv: &mut dyn KvCache, seq: SeqId, n: usize) -> Result<()> {
-    let before = kv.len(seq)?;
-    let trimmed = kv.trim(seq, n)?;
-    let after = kv.len(seq)?;
+pub fn trim_exact(s: &mut dyn Session, seq: SeqId, n: usize) -> Result<()> {
+    let before = s.len(seq)?;
+    let trimmed = s.trim(seq, n)?;
+    let after = s.len(seq)?;
     if trimmed != n || after + n != before {
         return Err(Error::Kv(format!(
             "trim of {n} rows removed {trimmed} (length {before} -> {after}, expected {})",
@@ -342,6 +356,57 @@ pub fn trim_exact(kv: &mut dyn KvCache, seq: SeqId, n: usize) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// A case that needs `rows` sequences in one forward: skipped on a path that cannot batch them.
+pub fn need_batch(path: &dyn EnginePath, rows: usize) -> Result<()> {
+    let info = path.info();
+    match info.capabilities.max_batch {
+        Some(max) if rows > max => {
+            Err(Error::Unsupported(format!("path `{}` batches at most {max} rows; this case needs {rows}", info.name)))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A case that left-pads a row: skipped on a path without masked prefixes.
+pub fn need_masked_prefix(path: &dyn EnginePath) -> Result<()> {
+    let info = path.info();
+    if info.capabilities.masked_prefix {
+        Ok(())
+    } else {
+        Err(Error::Unsupported(format!("path `{}` cannot mask left-pad rows (masked_prefix)", info.name)))
+    }
+}
+
+/// Run one case, which yields the rows `rows` (prompt, case name), if any of them is wanted,
+/// and keep its output. An error becomes a failed row (the first name) and an unsupported
+/// operation a skipped one, so one case never takes its prompt's others down.
+pub fn attempt<'r>(
+    h: &mut Harness<'r>,
+    out: &mut Vec<CaseOutput>,
+    rows: &[(&Prompt, &str)],
+    f: impl FnOnce(&mut Harness<'r>) -> Result<Vec<CaseOutput>>,
+) {
+    let Some(&(prompt, case)) = rows.first() else { return };
+    if !rows.iter().any(|(p, c)| h.wants(&p.name, c)) {
+        return;
+    }
+    match f(h) {
+        Ok(mut cases) => out.append(&mut cases),
+        Err(e) => out.push(CaseOutput {
+            case: case.to_string(),
+            prompt: prompt.clone(),
+            paths: Vec::new(),
+            notes: Vec::new(),
+            kv: None,
+            audit: None,
+            outcome: match e {
+                Error::Unsupported(why) => Outcome::Skipped(why),
+                e => Outcome::Failed(e.to_string()),
+            },
+        }),
+    }
 }
 
 /// `(a, b)` pairs of distinct-length prompts for ragged batches: each prompt with the next one
@@ -352,6 +417,20 @@ pub fn ragged_partner(prompts: &[Prompt], i: usize) -> Option<usize> {
 }
 
 /// A case's output, with the memory its KV store held at the end (peak included).
-pub fn case(kv: &dyn KvCache, case: impl Into<String>, prompt: &Prompt, paths: Vec<PathTrace>) -> CaseOutput {
-    CaseOutput { case: case.into(), prompt: prompt.clone(), paths, notes: Vec::new(), kv: kv.stats() }
+pub fn case(
+    s: &mut dyn Session,
+    case: impl Into<String>,
+    prompt: &Prompt,
+    paths: Vec<PathTrace>,
+) -> Result<CaseOutput> {
+    let audit = s.audit()?;
+    Ok(CaseOutput {
+        case: case.into(),
+        prompt: prompt.clone(),
+        paths,
+        notes: Vec::new(),
+        kv: s.stats()?,
+        outcome: Outcome::Ran,
+        audit,
+    })
 }

@@ -10,110 +10,126 @@
 //!   as batched generation does) then tile-padded on the right. The left pads stay in the
 //!   cache for good and must be masked from every real token; RoPE positions skip them.
 
-use super::{CaseOutput, Harness, Live, Prompt, case, decode_all, record_step, trim_exact};
-use crate::error::{Error, Result};
-use crate::kv::Backend;
+use super::{
+    CaseOutput, Harness, Live, Prompt, attempt, case, decode_all, need_batch, need_masked_prefix, record_step,
+    trim_exact,
+};
+use crate::engine::EnginePath;
+use crate::error::Error;
 use crate::model::RowStep;
 
-pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
+pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
     let tile = h.settings.tile;
-    if tile == 0 {
-        return Err(Error::Invalid("tile must be positive".into()));
-    }
-    let pad = h.pad_token();
+    let pad = h.pad_token;
     let steps = h.settings.max_tokens;
     let round = |n: usize| n.div_ceil(tile) * tile;
     let mut out = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
-        let reference = h.reference(&p.ids)?;
         let n = p.ids.len();
-
-        // tile
-        let mut kv = h.kv(backend)?;
-        let mut live = Live::new(kv.create(0)?, &reference, steps);
-        let t = round(n);
-        let mut tokens = p.ids.clone();
-        tokens.resize(t, pad);
-        let logits = h.model.forward(kv.as_mut(), &[RowStep { seq: live.seq, tokens, logits_at: n - 1 }])?;
-        record_step(kv.as_ref(), &mut [&mut live], &logits, &[n - 1])?;
-        trim_exact(kv.as_mut(), live.seq, t - n)?;
-        live.pads_trimmed = t - n;
-        let mut lives = [live];
-        decode_all(h.model, kv.as_mut(), &mut lives)?;
-        let [live] = lives;
-        let mut c = case(kv.as_ref(), "tile", p, vec![live.trace]);
-        c.notes.push(format!("padded {n} -> {t}, trimmed {}", t - n));
-        out.push(c);
+        attempt(h, &mut out, &[(p, "tile")], |h| {
+            if tile == 0 {
+                return Err(Error::Invalid("tile must be positive".into()));
+            }
+            let reference = h.reference(&p.ids)?;
+            let mut s = path.session(h.faults)?;
+            let mut live = Live::new(s.create(0)?, &reference, steps);
+            let t = round(n);
+            let mut tokens = p.ids.clone();
+            tokens.resize(t, pad);
+            let logits = s.forward(&[RowStep { seq: live.seq, tokens, logits_at: n - 1 }])?;
+            record_step(s.as_ref(), &mut [&mut live], &logits, &[n - 1])?;
+            trim_exact(s.as_mut(), live.seq, t - n)?;
+            live.pads_trimmed = t - n;
+            let mut lives = [live];
+            decode_all(s.as_mut(), &mut lives)?;
+            let [live] = lives;
+            let mut c = case(s.as_mut(), "tile", p, vec![live.trace])?;
+            c.notes.push(format!("padded {n} -> {t}, trimmed {}", t - n));
+            Ok(vec![c])
+        });
+        if tile == 0 {
+            continue;
+        }
 
         // batch-right: this prompt in row 0, a prompt of another length in row 1.
         if let Some(j) = super::ragged_partner(prompts, i) {
-            let other = &prompts[j];
-            let other_ref = h.reference(&other.ids)?;
-            let t = round(n.max(other.ids.len()));
-            let mut kv = h.kv(backend)?;
-            let mut lives = [Live::new(kv.create(0)?, &reference, steps), Live::new(kv.create(0)?, &other_ref, steps)];
-            let rows: Vec<RowStep> = [(&lives[0], &p.ids), (&lives[1], &other.ids)]
-                .into_iter()
-                .map(|(l, ids)| {
-                    let mut tokens = ids.clone();
-                    tokens.resize(t, pad);
-                    RowStep { seq: l.seq, tokens, logits_at: ids.len() - 1 }
-                })
-                .collect();
-            let logits = h.model.forward(kv.as_mut(), &rows)?;
-            {
-                let [a, b] = &mut lives;
-                record_step(kv.as_ref(), &mut [a, b], &logits, &[n - 1, other.ids.len() - 1])?;
-            }
-            for (live, len) in lives.iter_mut().zip([n, other.ids.len()]) {
-                trim_exact(kv.as_mut(), live.seq, t - len)?;
-                live.pads_trimmed = t - len;
-            }
-            decode_all(h.model, kv.as_mut(), &mut lives)?;
-            let [mine, _] = lives;
-            let mut c = case(kv.as_ref(), "batch-right", p, vec![mine.trace]);
-            c.notes.push(format!(
-                "rows {n} and {} padded to {t}, trimmed {} and {}",
-                other.ids.len(),
-                t - n,
-                t - other.ids.len()
-            ));
-            out.push(c);
+            attempt(h, &mut out, &[(p, "batch-right")], |h| {
+                need_batch(path, 2)?;
+                let other = &prompts[j];
+                let reference = h.reference(&p.ids)?;
+                let other_ref = h.reference(&other.ids)?;
+                let t = round(n.max(other.ids.len()));
+                let mut s = path.session(h.faults)?;
+                let mut lives =
+                    [Live::new(s.create(0)?, &reference, steps), Live::new(s.create(0)?, &other_ref, steps)];
+                let rows: Vec<RowStep> = [(&lives[0], &p.ids), (&lives[1], &other.ids)]
+                    .into_iter()
+                    .map(|(l, ids)| {
+                        let mut tokens = ids.clone();
+                        tokens.resize(t, pad);
+                        RowStep { seq: l.seq, tokens, logits_at: ids.len() - 1 }
+                    })
+                    .collect();
+                let logits = s.forward(&rows)?;
+                {
+                    let [a, b] = &mut lives;
+                    record_step(s.as_ref(), &mut [a, b], &logits, &[n - 1, other.ids.len() - 1])?;
+                }
+                for (live, len) in lives.iter_mut().zip([n, other.ids.len()]) {
+                    trim_exact(s.as_mut(), live.seq, t - len)?;
+                    live.pads_trimmed = t - len;
+                }
+                decode_all(s.as_mut(), &mut lives)?;
+                let [mine, _] = lives;
+                let mut c = case(s.as_mut(), "batch-right", p, vec![mine.trace])?;
+                c.notes.push(format!(
+                    "rows {n} and {} padded to {t}, trimmed {} and {}",
+                    other.ids.len(),
+                    t - n,
+                    t - other.ids.len()
+                ));
+                Ok(vec![c])
+            });
         }
 
         // batch-left: this prompt left-padded next to a longer row (its own tokens twice, so
         // every prompt gets left pads whatever the suite's lengths).
-        let longer: Vec<u32> = p.ids.iter().chain(&p.ids).copied().collect();
-        let longer_ref = h.reference(&longer)?;
-        let l = longer.len();
-        let t = round(l);
-        let masked = l - n;
-        let mut kv = h.kv(backend)?;
-        let mut lives =
-            [Live::new(kv.create(masked)?, &reference, steps), Live::new(kv.create(0)?, &longer_ref, steps)];
-        let mut mine = vec![pad; masked];
-        mine.extend(&p.ids);
-        mine.resize(t, pad);
-        let mut theirs = longer.clone();
-        theirs.resize(t, pad);
-        let rows = vec![
-            RowStep { seq: lives[0].seq, tokens: mine, logits_at: l - 1 },
-            RowStep { seq: lives[1].seq, tokens: theirs, logits_at: l - 1 },
-        ];
-        let logits = h.model.forward(kv.as_mut(), &rows)?;
-        {
-            let [a, b] = &mut lives;
-            record_step(kv.as_ref(), &mut [a, b], &logits, &[l - 1, l - 1])?;
-        }
-        for live in lives.iter_mut() {
-            trim_exact(kv.as_mut(), live.seq, t - l)?;
-            live.pads_trimmed = t - l;
-        }
-        decode_all(h.model, kv.as_mut(), &mut lives)?;
-        let [mine, _] = lives;
-        let mut c = case(kv.as_ref(), "batch-left", p, vec![mine.trace]);
-        c.notes.push(format!("{masked} left pads (masked), {n} real, {} right pads trimmed", t - l));
-        out.push(c);
+        attempt(h, &mut out, &[(p, "batch-left")], |h| {
+            need_batch(path, 2)?;
+            need_masked_prefix(path)?;
+            let reference = h.reference(&p.ids)?;
+            let longer: Vec<u32> = p.ids.iter().chain(&p.ids).copied().collect();
+            let longer_ref = h.reference(&longer)?;
+            let l = longer.len();
+            let t = round(l);
+            let masked = l - n;
+            let mut s = path.session(h.faults)?;
+            let mut lives =
+                [Live::new(s.create(masked)?, &reference, steps), Live::new(s.create(0)?, &longer_ref, steps)];
+            let mut mine = vec![pad; masked];
+            mine.extend(&p.ids);
+            mine.resize(t, pad);
+            let mut theirs = longer.clone();
+            theirs.resize(t, pad);
+            let rows = vec![
+                RowStep { seq: lives[0].seq, tokens: mine, logits_at: l - 1 },
+                RowStep { seq: lives[1].seq, tokens: theirs, logits_at: l - 1 },
+            ];
+            let logits = s.forward(&rows)?;
+            {
+                let [a, b] = &mut lives;
+                record_step(s.as_ref(), &mut [a, b], &logits, &[l - 1, l - 1])?;
+            }
+            for live in lives.iter_mut() {
+                trim_exact(s.as_mut(), live.seq, t - l)?;
+                live.pads_trimmed = t - l;
+            }
+            decode_all(s.as_mut(), &mut lives)?;
+            let [mine, _] = lives;
+            let mut c = case(s.as_mut(), "batch-left", p, vec![mine.trace])?;
+            c.notes.push(format!("{masked} left pads (masked), {n} real, {} right pads trimmed", t - l));
+            Ok(vec![c])
+        });
     }
-    Ok(out)
+    out
 }

@@ -10,9 +10,10 @@
 //! - `while-running`: the adopter joins while the donor is still decoding and both decode
 //!   together; both are reported (`while-running` for the donor, `while-running/adopter`).
 
-use super::{CaseOutput, Harness, Live, Prompt, case, decode_all, decode_step, prefill, record_step};
-use crate::error::Result;
-use crate::kv::{Backend, KvCache};
+use super::{CaseOutput, Harness, Live, Prompt, attempt, case, decode_all, decode_step, prefill, record_step};
+use crate::engine::{EnginePath, PathInfo, Session, ShareMode, Trace};
+use crate::error::{Error, Result};
+use crate::kv::SeqId;
 use crate::model::RowStep;
 
 /// How many of `n` prompt rows to share with block size `bs`: the longest prefix that leaves
@@ -25,7 +26,7 @@ pub fn share_len(n: usize, bs: usize) -> usize {
     s
 }
 
-pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
+pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
     let steps = h.settings.max_tokens;
     let mut out = Vec::new();
     for p in prompts {
@@ -38,73 +39,91 @@ pub fn run(h: &mut Harness, backend: Backend, prompts: &[Prompt]) -> Result<Vec<
         let mut ids = p.ids[..share].to_vec();
         ids.extend(p.ids.iter().rev().take(p.ids.len() - share + 2));
         let derived = Prompt { name: format!("{}/shared{share}", p.name), ids };
-        let donor_ref = h.reference(&p.ids)?;
-        let adopter_ref = h.reference(&derived.ids)?;
 
-        // after-finish
-        let mut kv = h.kv(backend)?;
-        let mut donor = Live::new(kv.create(0)?, &donor_ref, steps);
-        prefill(h.model, kv.as_mut(), &mut donor, &p.ids)?;
-        let mut lives = [donor];
-        decode_all(h.model, kv.as_mut(), &mut lives)?;
-        let [donor] = lives;
-        let adopter = adopt(h, kv.as_mut(), donor.seq, share, &derived, &adopter_ref)?;
-        kv.release(donor.seq)?;
-        let mut lives = [adopter];
-        decode_all(h.model, kv.as_mut(), &mut lives)?;
-        let [adopter] = lives;
-        let mut c = case(kv.as_ref(), "after-finish", &derived, vec![adopter.trace]);
-        c.notes.push(note(kv.as_ref(), share, &derived));
-        out.push(c);
+        attempt(h, &mut out, &[(&derived, "after-finish")], |h| {
+            need_share(path.info())?;
+            let donor_ref = h.reference(&p.ids)?;
+            let adopter_ref = h.reference(&derived.ids)?;
+            let name = path.info().name.clone();
+            let mut s = path.session(h.faults)?;
+            let mut donor = Live::new(s.create(0)?, &donor_ref, steps);
+            prefill(s.as_mut(), &mut donor, &p.ids)?;
+            let mut lives = [donor];
+            decode_all(s.as_mut(), &mut lives)?;
+            let [donor] = lives;
+            let (adopter, mode) = adopt(s.as_mut(), donor.seq, share, &derived, &adopter_ref, steps)?;
+            s.release(donor.seq)?;
+            let mut lives = [adopter];
+            decode_all(s.as_mut(), &mut lives)?;
+            let [adopter] = lives;
+            let mut c = case(s.as_mut(), "after-finish", &derived, vec![adopter.trace])?;
+            c.notes.push(note(mode, &name, share, &derived));
+            Ok(vec![c])
+        });
 
-        // while-running
-        let mut kv = h.kv(backend)?;
-        let mut donor = Live::new(kv.create(0)?, &donor_ref, steps);
-        prefill(h.model, kv.as_mut(), &mut donor, &p.ids)?;
-        for _ in 0..2 {
-            if !donor.done() {
-                decode_step(h.model, kv.as_mut(), &mut [&mut donor])?;
+        attempt(h, &mut out, &[(p, "while-running"), (&derived, "while-running/adopter")], |h| {
+            need_share(path.info())?;
+            let donor_ref = h.reference(&p.ids)?;
+            let adopter_ref = h.reference(&derived.ids)?;
+            let name = path.info().name.clone();
+            super::need_batch(path, 2)?;
+            let mut s = path.session(h.faults)?;
+            let mut donor = Live::new(s.create(0)?, &donor_ref, steps);
+            prefill(s.as_mut(), &mut donor, &p.ids)?;
+            for _ in 0..2 {
+                if !donor.done() {
+                    decode_step(s.as_mut(), &mut [&mut donor])?;
+                }
             }
-        }
-        let adopter = adopt(h, kv.as_mut(), donor.seq, share, &derived, &adopter_ref)?;
-        let mut lives = [donor, adopter];
-        decode_all(h.model, kv.as_mut(), &mut lives)?;
-        let [donor, adopter] = lives;
-        let notes = note(kv.as_ref(), share, &derived);
-        let mut c = case(kv.as_ref(), "while-running", p, vec![donor.trace]);
-        c.notes.push(notes.clone());
-        out.push(c);
-        let mut c = case(kv.as_ref(), "while-running/adopter", &derived, vec![adopter.trace]);
-        c.notes.push(notes);
-        out.push(c);
+            let (adopter, mode) = adopt(s.as_mut(), donor.seq, share, &derived, &adopter_ref, steps)?;
+            let mut lives = [donor, adopter];
+            decode_all(s.as_mut(), &mut lives)?;
+            let [donor, adopter] = lives;
+            let notes = note(mode, &name, share, &derived);
+            let mut c = case(s.as_mut(), "while-running", p, vec![donor.trace])?;
+            c.notes.push(notes.clone());
+            let mut d = case(s.as_mut(), "while-running/adopter", &derived, vec![adopter.trace])?;
+            d.notes.push(notes);
+            Ok(vec![c, d])
+        });
     }
-    Ok(out)
+    out
 }
 
-/// Start the adopter: share the donor's first `share` rows if the backend can, else recompute
+fn need_share(info: &PathInfo) -> Result<()> {
+    if info.capabilities.share_prefix {
+        Ok(())
+    } else {
+        Err(Error::Unsupported(format!("path `{}` cannot share a prefix (share_prefix)", info.name)))
+    }
+}
+
+/// Start the adopter: share the donor's first `share` rows if the path can, else recompute
 /// them; then prefill the rest of its prompt.
 fn adopt(
-    h: &Harness,
-    kv: &mut dyn KvCache,
-    donor: crate::kv::SeqId,
+    s: &mut dyn Session,
+    donor: SeqId,
     share: usize,
     p: &Prompt,
-    reference: &crate::engine::Trace,
-) -> Result<Live> {
-    let (seq, rest) = match kv.share_prefix(donor, share)? {
-        Some(seq) => (seq, &p.ids[share..]),
-        None => (kv.create(0)?, &p.ids[..]),
+    reference: &Trace,
+    steps: usize,
+) -> Result<(Live, Option<ShareMode>)> {
+    let (seq, rest, mode) = match s.share_prefix(donor, share)? {
+        Some((seq, mode)) => (seq, &p.ids[share..], Some(mode)),
+        None => (s.create(0)?, &p.ids[..], None),
     };
-    let mut live = Live::new(seq, reference, h.settings.max_tokens);
-    let logits = h.model.forward(kv, &[RowStep::new(seq, rest.to_vec())])?;
-    record_step(kv, &mut [&mut live], &logits, &[p.ids.len() - 1])?;
-    Ok(live)
+    let mut live = Live::new(seq, reference, steps);
+    let logits = s.forward(&[RowStep::new(seq, rest.to_vec())])?;
+    record_step(s, &mut [&mut live], &logits, &[p.ids.len() - 1])?;
+    Ok((live, mode))
 }
 
-fn note(kv: &dyn KvCache, share: usize, p: &Prompt) -> String {
-    match kv.backend() {
-        Backend::Paged => format!("shared {share} of {} prompt rows, copy-on-write", p.ids.len()),
-        Backend::Dense => format!("recomputed {} prompt rows (dense cannot share)", p.ids.len()),
+fn note(mode: Option<ShareMode>, path: &str, share: usize, p: &Prompt) -> String {
+    let n = p.ids.len();
+    match mode {
+        Some(ShareMode::Storage) => format!("shared {share} of {n} prompt rows, copy-on-write"),
+        Some(ShareMode::Copy) => format!("copied {share} of {n} prompt rows"),
+        None => format!("recomputed {n} prompt rows ({path} cannot share)"),
     }
 }
 

@@ -67,3 +67,54 @@ pub fn copy_checkpoint(src: &std::path::Path, name: &str) -> PathBuf {
     }
     dst
 }
+
+/// The binary as the tests run it: on the CPU (the accepted snapshots are CPU ones, also on a
+/// Mac), never accepting snapshots because of the caller's environment.
+pub fn command() -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_parity"));
+    c.current_dir(repo()).env("PARITY_DEVICE", "cpu").env_remove("PARITY_UPDATE").env_remove("INSTA_UPDATE");
+    c
+}
+
+pub fn parity(args: &[&str]) -> std::process::Output {
+    command().args(args).output().expect("run parity")
+}
+
+pub fn code(o: &std::process::Output) -> i32 {
+    o.status.code().unwrap_or(-1)
+}
+
+pub fn text(o: &std::process::Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// Edit a checkpoint's config.json in place.
+pub fn edit_config(dir: &std::path::Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+    f(&mut v);
+    std::fs::write(&path, v.to_string()).expect("write config");
+}
+
+/// Rewrite a checkpoint's model.safetensors: `f` sees each tensor (name, dtype, shape, bytes)
+/// and returns the tensor to keep, changed or not, or `None` to drop it.
+pub fn rewrite_tensors(
+    dir: &std::path::Path,
+    mut f: impl FnMut(&str, safetensors::Dtype, Vec<usize>, Vec<u8>) -> Option<(safetensors::Dtype, Vec<usize>, Vec<u8>)>,
+) {
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).expect("read weights");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid fixture");
+    let mut kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        if let Some((d, s, b)) = f(&name, view.dtype(), view.shape().to_vec(), view.data().to_vec()) {
+            kept.push((name, d, s, b));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = kept
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("view")))
+        .collect();
+    std::fs::write(&path, safetensors::tensor::serialize(views, None).expect("serialize")).expect("write weights");
+}

@@ -360,6 +360,9 @@ impl KvCache for PagedBlockPool {
 
     fn release(&mut self, seq: SeqId) -> Result<()> {
         let s = self.seqs.remove(seq)?;
+        if self.faults.has(Fault::BlockLeak) {
+            return Ok(()); // the sequence is gone, its blocks stay referenced forever
+        }
         for b in s.table.into_iter().rev() {
             self.unref(b)?;
         }
@@ -378,6 +381,10 @@ impl KvCache for PagedBlockPool {
             self.refcount[b] += 1;
         }
         Ok(Some(self.seqs.insert(PagedSeq { len: rows, masked_prefix, table })))
+    }
+
+    fn audit(&self) -> Result<()> {
+        super::audit::audit(&self.refcount, &self.free, self.seqs.iter().map(|(id, s)| (id, s.table.as_slice())))
     }
 
     fn stats(&self) -> KvStats {

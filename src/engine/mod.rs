@@ -1,0 +1,254 @@
+//! Engines under test. A suite compares **paths** (named ways of running one checkpoint:
+//! `dense` and `paged`, or mlx-lm's `KVCache` and `BatchKVCache`); each path is served by an
+//! engine. Scenarios drive every path through one step-level interface, [`Session`]: a fresh
+//! KV store in which sequences are created, stepped, trimmed, shared and released. The kinds
+//! of engine live behind it — [`builtin`] (parity's own MLX runtime, in process) and
+//! [`process`] (any engine with an adapter speaking the step protocol, `docs/step-protocol.md`)
+//! — and compare/report never learn which one ran.
+
+pub mod adapter;
+pub mod builtin;
+pub mod process;
+pub mod protocol;
+
+use mlx_rs::Array;
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::DtypeName;
+use crate::error::Result;
+use crate::faults::Faults;
+use crate::kv::{KvStats, SeqId};
+use crate::model::RowStep;
+
+/// The tokens a path produced and, per step, the full logits row that selected each token
+/// (kept on the device; comparisons reduce them there).
+#[derive(Debug, Clone, Default)]
+pub struct Trace {
+    pub tokens: Vec<u32>,
+    pub logits: Vec<Array>,
+}
+
+/// Argmax of each row of `[B, vocab]` logits, brought to the host as B integers.
+pub fn greedy(logits: &Array) -> Result<Vec<u32>> {
+    let ids = mlx_rs::ops::indexing::argmax_axis(logits, -1, false)?;
+    ids.eval()?;
+    Ok(ids.as_slice::<u32>().to_vec())
+}
+
+/// A small array's values on the host as f32 (contiguous copy first; views are not).
+pub fn host_f32(a: &Array) -> Result<Vec<f32>> {
+    let a = a.as_dtype(mlx_rs::Dtype::Float32)?.contiguous()?;
+    a.eval()?;
+    Ok(a.as_slice::<f32>().to_vec())
+}
+
+/// Split `[B, vocab]` into B rows of `[vocab]`.
+pub fn rows(logits: &Array) -> Result<Vec<Array>> {
+    use mlx_rs::ops::indexing::IndexOp;
+    let b = logits.shape()[0];
+    Ok((0..b).map(|i| logits.index(i)).collect())
+}
+
+/// Which engine served a path, as reports record it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineId {
+    /// `builtin` or `process`.
+    pub kind: String,
+    pub name: String,
+    pub version: String,
+}
+
+impl EngineId {
+    pub fn builtin() -> Self {
+        EngineId { kind: "builtin".into(), name: "parity".into(), version: env!("CARGO_PKG_VERSION").into() }
+    }
+}
+
+/// What a path can do. A case that needs more is skipped with a sentence naming the path.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Capabilities {
+    /// Sequences may start with masked left-pad rows (batched left-padded prefill).
+    pub masked_prefix: bool,
+    /// `share_prefix` is implemented (it may still answer "recompute").
+    pub share_prefix: bool,
+    /// Most rows in one forward; `None`: no limit.
+    pub max_batch: Option<usize>,
+    /// KV memory statistics are reported.
+    pub stats: bool,
+    /// Rows per KV block when the path is paged: divergences are then located by block.
+    pub block_size: Option<usize>,
+    /// Planted faults the path can switch on (parity's own runtime only).
+    pub faults: Vec<crate::faults::Fault>,
+}
+
+/// A path as the scenarios and the report see it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PathInfo {
+    pub name: String,
+    pub engine: EngineId,
+    pub vocab_size: usize,
+    /// Compute dtype: sets the near-tie threshold.
+    pub dtype: DtypeName,
+    pub capabilities: Capabilities,
+}
+
+impl PathInfo {
+    /// The kind of KV store this path is, for checks that only matter to a block pool
+    /// (a block size no prompt crosses tests nothing there).
+    pub fn kv_backend(&self) -> crate::kv::Backend {
+        if self.capabilities.block_size.is_some() { crate::kv::Backend::Paged } else { crate::kv::Backend::Dense }
+    }
+
+    /// Fail with a skip when `faults` asks for a fault this path cannot plant: a selftest
+    /// through an engine that ignores faults would "catch" nothing and prove nothing.
+    pub fn check_faults(&self, faults: Faults) -> Result<()> {
+        match faults.list().into_iter().find(|f| !self.capabilities.faults.contains(f)) {
+            None => Ok(()),
+            Some(f) => Err(crate::Error::Unsupported(format!(
+                "path `{}` ({} {}) cannot plant fault `{}`",
+                self.name,
+                self.engine.kind,
+                self.engine.name,
+                f.name()
+            ))),
+        }
+    }
+}
+
+/// How a new sequence got a donor's prefix rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShareMode {
+    /// The same storage, copy-on-write (a paged pool's refcounted blocks).
+    Storage,
+    /// The rows were copied.
+    Copy,
+}
+
+/// One fresh KV store of a path: what every scenario runs against. Each sequence has one
+/// length counter, kept by the engine; RoPE positions derive from it (the "two sources of
+/// truth" bug is a second counter), and parity checks what the engine reports about it.
+pub trait Session {
+    /// A new empty sequence whose first `masked_prefix` rows (left padding of a batched
+    /// prefill) are never attended by real tokens and do not count towards positions.
+    fn create(&mut self, masked_prefix: usize) -> Result<SeqId>;
+
+    /// Rows written to the sequence so far (as the engine last reported it).
+    fn len(&self, seq: SeqId) -> Result<usize>;
+
+    fn masked_prefix(&self, seq: SeqId) -> Result<usize>;
+
+    /// One batched step: append each row's tokens to its sequence and return the logits
+    /// `[B, vocab]` at each row's `logits_at`.
+    fn forward(&mut self, rows: &[RowStep]) -> Result<Array>;
+
+    /// Drop the newest `n` rows; returns how many the engine says it removed (callers verify,
+    /// see `scenario::trim_exact`).
+    fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize>;
+
+    fn release(&mut self, seq: SeqId) -> Result<()>;
+
+    /// A new sequence holding `donor`'s first `rows` rows, or `None` when the path cannot
+    /// reuse rows and the caller must recompute them.
+    fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<(SeqId, ShareMode)>>;
+
+    /// KV memory now (peak since the session began); `None` if the path does not report it.
+    fn stats(&mut self) -> Result<Option<KvStats>>;
+
+    /// The store's books, checked where a case ends: `Some(what is wrong)` when storage is held
+    /// by no live sequence or refcounts disagree with the tables. A release that forgets its
+    /// blocks gives the same tokens, so no verdict can see it; in production the pool runs dry.
+    fn audit(&mut self) -> Result<Option<String>>;
+}
+
+/// One path of an engine: it opens a fresh [`Session`] per case.
+pub trait EnginePath {
+    fn info(&self) -> &PathInfo;
+
+    /// A fresh KV store with `faults` planted (none for references). Every sequence of an
+    /// earlier session is gone.
+    fn session(&mut self, faults: Faults) -> Result<Box<dyn Session + '_>>;
+}
+
+/// A stand-in path for planning: scenarios name their rows before they touch an engine, so a
+/// run against this one (with a selector that lets nothing run) lists the rows a real run
+/// would make. Opening a session is an error: nothing may run on it.
+pub struct Planning(PathInfo);
+
+impl Planning {
+    pub fn new(vocab_size: usize) -> Self {
+        Planning(PathInfo {
+            name: "planning".into(),
+            engine: EngineId { kind: "planning".into(), name: String::new(), version: String::new() },
+            vocab_size,
+            dtype: DtypeName::Float32,
+            capabilities: Capabilities {
+                masked_prefix: true,
+                share_prefix: true,
+                max_batch: None,
+                stats: false,
+                block_size: None,
+                faults: Vec::new(),
+            },
+        })
+    }
+}
+
+impl EnginePath for Planning {
+    fn info(&self) -> &PathInfo {
+        &self.0
+    }
+
+    fn session(&mut self, _faults: Faults) -> Result<Box<dyn Session + '_>> {
+        Err(crate::Error::Invalid("the planning stand-in runs nothing".into()))
+    }
+}
+
+/// Prefill `prompt` into a fresh sequence and decode `max_tokens` greedy tokens: the
+/// reference run, and `parity generate`.
+pub fn generate(session: &mut dyn Session, prompt: &[u32], max_tokens: usize) -> Result<(SeqId, Trace)> {
+    let seq = session.create(0)?;
+    let mut trace = Trace::default();
+    let mut logits = session.forward(&[RowStep::new(seq, prompt.to_vec())])?;
+    for _ in 0..max_tokens {
+        let next = greedy(&logits)?[0];
+        trace.tokens.push(next);
+        trace.logits.push(rows(&logits)?.remove(0));
+        if trace.tokens.len() == max_tokens {
+            break;
+        }
+        logits = session.forward(&[RowStep::new(seq, vec![next])])?;
+    }
+    Ok((seq, trace))
+}
+
+/// Open path `name` of a checkpoint's engine, or its reference path when `name` is `None`.
+/// `model` is parity's own load of the checkpoint (needed by builtin paths and references);
+/// `dir` the resolved checkpoint, `suite_dir` where an adapter command runs.
+pub fn open<'m>(
+    spec: &crate::suite::CheckpointSpec,
+    name: Option<&str>,
+    model: Option<&'m crate::model::Model>,
+    dir: &std::path::Path,
+    suite_dir: &std::path::Path,
+) -> Result<Box<dyn EnginePath + 'm>> {
+    use crate::suite::{EngineSpec, ReferenceSpec};
+    let (engine, settings) = (&spec.engine, &spec.settings);
+    let builtin = |path: builtin::BuiltinPath| -> Result<Box<dyn EnginePath + 'm>> {
+        let model =
+            model.ok_or_else(|| crate::Error::Invalid("the builtin runtime's weights were not loaded".into()))?;
+        Ok(Box::new(builtin::Builtin::new(model, path, settings)))
+    };
+    let target = match name {
+        Some(n) => ReferenceSpec::Path(n.to_string()),
+        None => engine.reference(),
+    };
+    match (engine, target) {
+        (_, ReferenceSpec::Builtin(path)) => builtin(path),
+        (EngineSpec::Builtin, ReferenceSpec::Path(n)) => builtin(n.parse().map_err(crate::Error::Invalid)?),
+        (EngineSpec::Process(p), ReferenceSpec::Path(n)) => {
+            let dtype = spec.dtype.resolve().map_or("native", |d| d.name());
+            let places = process::Places { model: dir, suite_dir, dtype };
+            Ok(Box::new(process::ProcessPath::start(p, &n, &places, settings)?))
+        }
+    }
+}

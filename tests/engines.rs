@@ -1,0 +1,200 @@
+//! Engines under test through the step protocol (`kind = "process"`).
+//!
+//! - Faithful: the fixture suite through `parity adapter` gives bit-identical rows to the
+//!   builtin engine, and every planted fault is still caught through the protocol.
+//! - Contained: an adapter that exits at start, crashes, prints garbage, hangs, sends
+//!   wrong-sized logits or lies about a trim fails the affected rows with a clear error, the
+//!   rest of the run completes, and no adapter process outlives the run.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use parity::compare::Verdict;
+use parity::faults;
+use parity::report::Report;
+use parity::run::{NoProgress, RunOptions, run_suite};
+use parity::selftest;
+
+const PARITY: &str = env!("CARGO_BIN_EXE_parity");
+
+/// The fixture suite with its checkpoint paths made absolute and `engine` appended.
+fn fixture_suite(tag: &str, engine: &str) -> PathBuf {
+    let repo = common::repo();
+    let text = std::fs::read_to_string(repo.join("suites/fixtures.toml")).expect("fixture suite");
+    let fixtures = repo.join("fixtures");
+    let text = text.replace("path = \"../fixtures/", &format!("path = \"{}/", fixtures.display()));
+    let dir = common::scratch(tag);
+    let file = dir.join("fixtures.toml");
+    std::fs::write(&file, format!("{text}\n{engine}\n")).expect("write suite");
+    file
+}
+
+/// `[engine]` serving parity's runtime through the protocol, each path through `relay`
+/// (`misbehave.py MODE N TAG`, or nothing).
+fn adapter_engine(dense_relay: &[&str], paged_relay: &[&str], timeout: f64) -> String {
+    let path = |relay: &[&str], backend: &str| {
+        let mut argv: Vec<String> = Vec::new();
+        if !relay.is_empty() {
+            argv.push("python3".into());
+            argv.push(common::repo().join("tests/adapters/misbehave.py").display().to_string());
+            argv.extend(relay.iter().map(|s| s.to_string()));
+            argv.push("--".into());
+        }
+        argv.extend([PARITY.to_string(), "adapter".into(), "{model}".into(), "--path".into(), backend.into()]);
+        format!("[{}]", argv.iter().map(|a| format!("{a:?}")).collect::<Vec<_>>().join(", "))
+    };
+    format!(
+        "[engine]\nkind = \"process\"\ncommand = [\"env\"]\nreference = \"dense\"\ntimeout = {timeout}\n\
+         [engine.paths]\ndense = {}\npaged = {}\n",
+        path(dense_relay, "dense"),
+        path(paged_relay, "paged")
+    )
+}
+
+fn run(file: &Path, opts: &RunOptions) -> Report {
+    common::cpu();
+    let suite = parity::suite::load(file).unwrap_or_else(|e| panic!("{e}"));
+    run_suite(&suite, opts, &NoProgress)
+}
+
+/// The processes whose command line carries `tag` (leftover adapters of one test).
+fn processes_tagged(tag: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let zombie = stat.rsplit(')').next().is_some_and(|s| s.trim_start().starts_with('Z'));
+        if cmdline.contains(tag) && !zombie {
+            out.push(cmdline);
+        }
+    }
+    out
+}
+
+fn assert_no_leftovers(tag: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !processes_tagged(tag).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left = processes_tagged(tag);
+    assert!(left.is_empty(), "adapter processes outlived the run: {left:?}");
+}
+
+/// Rows as comparable JSON: everything a row says, with the keys in a fixed order.
+fn rows_json(r: &Report) -> Vec<serde_json::Value> {
+    r.rows.iter().map(|row| serde_json::to_value(row).expect("row json")).collect()
+}
+
+#[test]
+fn the_fixture_suite_through_parity_adapter_is_bit_identical_to_builtin() {
+    let repo = common::repo();
+    let builtin = run(&repo.join("suites/fixtures.toml"), &RunOptions::default());
+    let file = fixture_suite("protocol-identical", &adapter_engine(&[], &[], 120.0));
+    let process = run(&file, &RunOptions::default());
+    assert_eq!(builtin.summary.failed, 0, "{:?}", builtin.rows.iter().find(|r| !r.pass));
+    assert_eq!(process.rows.len(), builtin.rows.len());
+    for (a, b) in rows_json(&builtin).iter().zip(rows_json(&process)) {
+        assert_eq!(a, &b, "builtin and process rows differ");
+    }
+    for (a, b) in builtin.checkpoints.iter().zip(&process.checkpoints) {
+        assert_eq!(a.noise_floor, b.noise_floor, "{}", a.name);
+        assert_eq!(b.engine.as_ref().map(|e| (e.kind.as_str(), e.name.as_str())), Some(("process", "parity")));
+        assert_eq!(b.reference_path.as_deref(), Some("dense"));
+    }
+}
+
+#[test]
+fn every_planted_fault_is_caught_through_the_protocol() {
+    let file = fixture_suite("protocol-selftest", &adapter_engine(&[], &[], 120.0));
+    common::cpu();
+    let suite = parity::suite::load(&file).expect("suite");
+    let opts = RunOptions { filter: Some("llama-tiny/".into()), ..RunOptions::default() };
+    let (report, _) = selftest::selftest(&suite, &opts, faults::ALL, &NoProgress);
+    assert!(report.clean_passed, "{:?}", report.clean_failures);
+    let undetected: Vec<&str> = report.faults.iter().filter(|f| !f.caught).map(|f| f.fault.as_str()).collect();
+    assert!(undetected.is_empty(), "undetected through the protocol: {undetected:?}\n{}", selftest::render(&report));
+}
+
+/// One misbehaving paged adapter: its rows fail with `expect` in the message, the dense
+/// path (reference and rows) is untouched, and nothing is left running.
+fn contained(mode: &str, n: &str, timeout: f64, expect: &str) -> Report {
+    let tag = format!("parity-test-{mode}-{}", std::process::id());
+    let file = fixture_suite(&tag, &adapter_engine(&["pass", "1", &tag], &[mode, n, &tag], timeout));
+    let opts = RunOptions {
+        filter: Some("llama-tiny/".into()),
+        scenarios: Some(vec![parity::scenario::Scenario::Single, parity::scenario::Scenario::Padded]),
+        ..RunOptions::default()
+    };
+    let report = run(&file, &opts);
+    let paged: Vec<_> = report.rows.iter().filter(|r| r.backend == "paged").collect();
+    let dense: Vec<_> = report.rows.iter().filter(|r| r.backend == "dense").collect();
+    assert!(!paged.is_empty() && !dense.is_empty());
+    assert!(dense.iter().all(|r| r.pass), "{mode}: a dense row failed: {:?}", dense.iter().find(|r| !r.pass));
+    assert!(paged.iter().all(|r| !r.pass), "{mode}: a paged row passed");
+    let first = paged[0].failure.clone().unwrap_or_default();
+    assert!(first.contains(expect), "{mode}: expected `{expect}` in the failure, got: {first}");
+    assert!(first.contains("path `paged`"), "{mode}: names the path: {first}");
+    assert_no_leftovers(&tag);
+    report
+}
+
+#[test]
+fn an_adapter_that_exits_at_start_fails_its_rows_with_its_stderr() {
+    let r = contained("exit-at-start", "1", 30.0, "exited with status 3");
+    let failure = r.rows.iter().find(|r| r.backend == "paged").and_then(|r| r.failure.clone()).unwrap_or_default();
+    assert!(failure.contains("refusing to start"), "the stderr tail is shown: {failure}");
+}
+
+#[test]
+fn an_adapter_that_crashes_mid_run_is_contained_and_given_up_on() {
+    let r = contained("crash", "3", 30.0, "killed by signal 9");
+    let failures: Vec<String> =
+        r.rows.iter().filter(|r| r.backend == "paged").filter_map(|r| r.failure.clone()).collect();
+    assert!(failures[0].contains("crashing on forward 3"), "stderr tail: {}", failures[0]);
+    assert!(failures.iter().any(|f| f.contains("given up after 2 failures")), "{failures:?}");
+}
+
+#[test]
+fn an_adapter_that_prints_garbage_fails_its_case() {
+    contained("garbage", "2", 30.0, "reply is not JSON");
+}
+
+#[test]
+fn an_adapter_that_never_answers_times_out_within_a_bound() {
+    let t = Instant::now();
+    contained("hang", "2", 2.0, "no reply within 2s");
+    // Two timeouts, then the path is given up: the run is bounded, never hung.
+    assert!(t.elapsed() < Duration::from_secs(90), "took {:?}", t.elapsed());
+}
+
+#[test]
+fn wrong_sized_logits_are_an_error_naming_both_shapes() {
+    contained("wrong-logits", "2", 30.0, "expected [1, ");
+}
+
+#[test]
+fn an_adapter_that_claims_a_trim_it_did_not_do_diverges_where_trims_happen() {
+    let tag = format!("parity-test-fake-trim-{}", std::process::id());
+    let file = fixture_suite(&tag, &adapter_engine(&[], &["fake-trim", "1", &tag], 30.0));
+    let opts = RunOptions {
+        filter: Some("llama-tiny/".into()),
+        scenarios: Some(vec![parity::scenario::Scenario::Single, parity::scenario::Scenario::Padded]),
+        backends: Some(vec!["paged".into()]),
+        ..RunOptions::default()
+    };
+    let report = run(&file, &opts);
+    let single: Vec<_> = report.rows.iter().filter(|r| r.scenario == "single").collect();
+    let tile: Vec<_> = report.rows.iter().filter(|r| r.scenario == "padded" && r.case == "tile").collect();
+    assert!(single.iter().all(|r| r.pass), "no trim, no lie: single passes");
+    // Prompts whose length is not a tile multiple trim pads; the pads stay attended.
+    let trimmed: Vec<_> = tile.iter().filter(|r| r.notes.iter().any(|n| !n.ends_with("trimmed 0"))).collect();
+    assert!(!trimmed.is_empty());
+    for r in trimmed {
+        assert_eq!(r.verdict, Verdict::Diverged, "{} {}: {:?}", r.prompt, r.case, r.failure);
+        assert!(!r.pass);
+    }
+    assert_no_leftovers(&tag);
+}

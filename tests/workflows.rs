@@ -1,0 +1,168 @@
+//! The workflows parity exists for, end to end on the binary: bisect (a row id copied from any
+//! report selects exactly that row; a selection of nothing never passes), CI logs (rows stream
+//! as they finish), and report paths checked before any work.
+
+mod common;
+
+use common::{code, command, parity, text};
+
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+fn json_rows(path: &std::path::Path) -> Vec<serde_json::Value> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).expect("json")).expect("parse");
+    v["rows"].as_array().cloned().unwrap_or_default()
+}
+
+fn id(row: &serde_json::Value) -> String {
+    let s = |k: &str| row[k].as_str().unwrap_or_default().to_string();
+    format!("{}/{}/{}:{}/{}", s("checkpoint"), s("prompt"), s("scenario"), s("case"), s("backend"))
+}
+
+/// Guards "the row ids parity prints cannot be used to select rows": every id a report
+/// prints (terminal FAIL header, JSON, JUnit, Markdown) selects exactly that row, with the
+/// same result as in the full run — ragged rows and prefix adopters included.
+#[test]
+fn every_printed_row_id_selects_exactly_that_row_with_the_same_result() {
+    let dir = common::scratch("workflow-ids");
+    let (json, junit, md) = (dir.join("r.json"), dir.join("r.xml"), dir.join("r.md"));
+    let full = parity(&[
+        "run",
+        "suites/fixtures.toml",
+        "--fault",
+        "rope-batch-alias",
+        "--filter",
+        "llama-tiny/",
+        "--json",
+        json.to_str().unwrap(),
+        "--junit",
+        junit.to_str().unwrap(),
+        "--markdown",
+        md.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&full), 1, "{}", text(&full));
+    let rows = json_rows(&json);
+    let terminal = text(&full);
+    let (junit, md) = (std::fs::read_to_string(junit).unwrap(), std::fs::read_to_string(md).unwrap());
+    let pick = |scenario: &str, case: &str| {
+        rows.iter().find(|r| r["scenario"] == scenario && r["case"] == case && r["backend"] == "paged").cloned()
+    };
+    let failing_ragged = pick("batch2", "ragged").expect("a ragged row");
+    let adopter = pick("prefix", "while-running/adopter").expect("an adopter row");
+    for row in [&failing_ragged, &adopter] {
+        let row_id = id(row);
+        if row["pass"] == false {
+            assert!(terminal.contains(&format!("FAIL {row_id}")), "the FAIL header prints {row_id}");
+            assert!(md.contains(&row_id), "the Markdown prints {row_id}");
+            let case_id = row_id.split_once('/').map(|(_, rest)| rest).unwrap();
+            assert!(junit.contains(case_id), "JUnit names {case_id}");
+        }
+        let one = dir.join("one.json");
+        let o = parity(&[
+            "run",
+            "suites/fixtures.toml",
+            "--fault",
+            "rope-batch-alias",
+            "--filter",
+            &row_id,
+            "--json",
+            one.to_str().unwrap(),
+        ]);
+        let selected = json_rows(&one);
+        assert_eq!(selected.len(), 1, "{row_id} selects {}: {}", selected.len(), text(&o));
+        let (a, b) = (&selected[0], row);
+        for key in ["tokens", "verdict", "max_rel_rms", "first_divergence", "notes"] {
+            assert_eq!(a[key], b[key], "{row_id}: `{key}` differs from the full run");
+        }
+    }
+}
+
+/// Guards "a run that selects nothing passes": `git bisect run` would call every commit good.
+#[test]
+fn a_selection_of_nothing_is_an_error_and_never_good_under_bisect() {
+    let o = parity(&["run", "suites/fixtures.toml", "--no-snapshots", "--filter", "llama-tiny/no-such-prompt"]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("selects no row") && text(&o).contains("prompts: block-1"), "{}", text(&o));
+    let o = parity(&["run", "suites/fixtures.toml", "--bisect", "--no-snapshots", "--filter", "nope"]);
+    assert_eq!(code(&o), 125, "{}", text(&o));
+    let o = parity(&["run", "suites/fixtures.toml", "--bisect", "--scenario", "prefix", "--filter", "llama-tiny-8bit"]);
+    assert_eq!(code(&o), 125, "the 8-bit checkpoint runs no prefix: {}", text(&o));
+    let o = parity(&["run", "suites/fixtures.toml", "--backend", "sparse"]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("has no such path (it has dense, paged)"), "{}", text(&o));
+    let o = parity(&["selftest", "suites/fixtures.toml", "--filter", "nope"]);
+    assert_eq!(code(&o), 2, "a selftest that ran nothing caught nothing: {}", text(&o));
+}
+
+/// The README's bisect recipe, as written there, judges a clean commit good and a RoPE
+/// regression bad.
+#[test]
+fn the_readme_bisect_recipe_works_as_written() {
+    let readme = std::fs::read_to_string(common::repo().join("README.md")).unwrap();
+    let line = readme.lines().find(|l| l.starts_with("git bisect run sh -c")).expect("the recipe");
+    let invocation = line.split("target/release/parity ").nth(1).expect("parity invocation").trim_end_matches('\'');
+    let args: Vec<&str> = invocation.split_whitespace().collect();
+    let good = parity(&args);
+    assert_eq!(code(&good), 0, "a clean build is good: {}", text(&good));
+    let mut bad_args = args.clone();
+    bad_args.extend(["--fault", "rope-batch-alias"]);
+    let bad = parity(&bad_args);
+    assert_eq!(code(&bad), 1, "the RoPE regression is bad: {}", text(&bad));
+    assert!(text(&bad).contains("1 row: 0 passed, 1 failed"), "exactly the named row ran: {}", text(&bad));
+}
+
+/// Guards "nothing reaches a piped log until the run ends": a CI job killed by its timeout
+/// must keep the rows it finished.
+#[test]
+fn rows_reach_a_piped_log_while_the_run_is_still_going() {
+    let mut child = command()
+        .args(["run", "suites/fixtures.toml", "--no-snapshots"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let first = lines.next().expect("a line").expect("utf-8");
+    let running = child.try_wait().expect("wait").is_none();
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let status = child.wait().expect("exit");
+    assert!(first.starts_with("PASS  llama-tiny"), "{first}");
+    assert!(running, "the first row arrived only after the run ended");
+    assert!(status.success());
+    assert!(rest.iter().any(|l| l.contains("0 failed")), "the summary still ends the log");
+}
+
+/// Guards "report paths are checked after the work": exit 2 before anything runs.
+#[test]
+fn unwritable_report_paths_fail_before_any_work() {
+    let t = Instant::now();
+    let o = parity(&["run", "suites/smollm2.toml", "--json", "/proc/nope/x.json"]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("--json /proc/nope/x.json"), "{}", text(&o));
+    assert!(!text(&o).contains("rows:"), "nothing ran: {}", text(&o));
+    assert!(t.elapsed() < Duration::from_secs(10), "checked before loading anything");
+    let dir = common::scratch("workflow-paths");
+    let o = parity(&["run", "suites/fixtures.toml", "--junit", dir.to_str().unwrap()]);
+    assert_eq!(code(&o), 2, "a directory is not a report file: {}", text(&o));
+}
+
+/// `--json -` writes the report to stdout (not to a file named `-`), and the human summary
+/// moves to stderr so the JSON parses.
+#[test]
+fn json_to_stdout_with_a_dash() {
+    let o = parity(&[
+        "run",
+        "suites/fixtures.toml",
+        "--no-snapshots",
+        "--filter",
+        "llama-tiny/block-1/single",
+        "--json",
+        "-",
+    ]);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("stdout is the JSON report");
+    assert_eq!(v["rows"].as_array().map(|r| r.len()), Some(2));
+    assert!(!common::repo().join("-").exists());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("PASS"));
+}
