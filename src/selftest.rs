@@ -9,6 +9,7 @@ use crate::compare::Verdict;
 use crate::faults::{self, Fault, Faults};
 use crate::report::{Report, Row};
 use crate::run::{Progress, RunOptions, run_suite};
+use crate::scenario::{self, Scenario};
 use crate::suite::Suite;
 
 /// What one fault did to one scenario.
@@ -28,6 +29,10 @@ pub struct FaultOutcome {
     pub fault: String,
     pub caught: bool,
     pub scenarios: BTreeMap<String, Cell>,
+    /// Why the fault was not planted: none of the scenarios that exercise its code path ran
+    /// (a selftest narrowed with `--scenario` or `--filter`). Neither caught nor missed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -41,7 +46,31 @@ pub struct SelftestReport {
 
 impl SelftestReport {
     pub fn ok(&self) -> bool {
-        self.clean_passed && self.faults.iter().all(|f| f.caught)
+        self.clean_passed && self.faults.iter().all(|f| f.caught || f.skipped.is_some())
+    }
+
+    /// Faults that were planted (not skipped for the selection).
+    pub fn planted(&self) -> impl Iterator<Item = &FaultOutcome> {
+        self.faults.iter().filter(|f| f.skipped.is_none())
+    }
+}
+
+/// The scenarios whose cases run the code path `fault` breaks (README, "Planted regressions").
+/// A selftest narrowed to other scenarios cannot catch it, so it is skipped and named rather
+/// than reported as missed: a harness that cries "missed" for a fault it could never see
+/// teaches people to ignore misses. `tests/selftest.rs` checks this list against what the full
+/// fixture suite actually catches.
+pub fn catching_scenarios(fault: Fault) -> &'static [Scenario] {
+    use Scenario::*;
+    match fault {
+        Fault::RopeBatchAlias => &[Batch2, Concurrent, Prefix],
+        Fault::PagedTrimNoop | Fault::RewindKeepsPosition => &[Padded, Rollback],
+        Fault::GatherOffByOne | Fault::StaleBlock => scenario::ALL,
+        Fault::PadUnmasked => &[Padded],
+        Fault::BatchRowSwap => &[Batch2, Concurrent, Padded],
+        Fault::CowSkipped => &[Prefix],
+        Fault::BlockLeak => &[Concurrent, Prefix],
+        Fault::RaggedMaskWide => &[Batch2, Concurrent, Padded],
     }
 }
 
@@ -90,7 +119,7 @@ fn outcome(fault: Fault, report: &Report) -> FaultOutcome {
             }
         }
     }
-    FaultOutcome { fault: fault.name().to_string(), caught: report.summary.failed > 0, scenarios }
+    FaultOutcome { fault: fault.name().to_string(), caught: report.summary.failed > 0, scenarios, skipped: None }
 }
 
 /// Run `suite` clean and under each of `faults_to_plant`.
@@ -108,8 +137,22 @@ pub fn selftest(
         .filter(|r| !r.pass && r.verdict != Verdict::Skipped)
         .map(|r| format!("{}: {}", r.id(), r.failure.clone().unwrap_or_default()))
         .collect();
+    // What ran clean is what a fault could show up in.
+    let ran: Vec<&str> =
+        clean.rows.iter().filter(|r| r.verdict != Verdict::Skipped).map(|r| r.scenario.as_str()).collect();
     let mut outcomes = Vec::new();
     for &f in faults_to_plant {
+        let catching = catching_scenarios(f);
+        if !catching.iter().any(|s| ran.contains(&s.name())) {
+            let names: Vec<&str> = catching.iter().map(|s| s.name()).collect();
+            outcomes.push(FaultOutcome {
+                fault: f.name().to_string(),
+                caught: false,
+                scenarios: BTreeMap::new(),
+                skipped: Some(format!("only {} can catch it, and none of them ran", names.join(", "))),
+            });
+            continue;
+        }
         let report = run_suite(suite, &RunOptions { faults: Faults::only(f), ..opts.clone() }, progress);
         outcomes.push(outcome(f, &report));
     }
@@ -152,6 +195,10 @@ pub fn render(r: &SelftestReport) -> String {
     }
     out += "\n";
     for f in &r.faults {
+        if let Some(why) = &f.skipped {
+            out += &format!("{:<24} {:<8} {why}\n", f.fault, "skipped");
+            continue;
+        }
         out += &format!("{:<24} {:<8}", f.fault, if f.caught { "yes" } else { "NO" });
         for s in &scenarios {
             let cell = f.scenarios.get(s).map(|c| {
@@ -169,17 +216,22 @@ pub fn render(r: &SelftestReport) -> String {
             }
         }
     }
-    let undetected: Vec<&str> = r.faults.iter().filter(|f| !f.caught).map(|f| f.fault.as_str()).collect();
+    let undetected: Vec<&str> = r.planted().filter(|f| !f.caught).map(|f| f.fault.as_str()).collect();
+    let planted = r.planted().count();
     out += &format!(
         "\n{}: {} of {} faults caught, clean run {} ({:.1}s)\n",
         if r.ok() { "PASS" } else { "FAIL" },
-        r.faults.len() - undetected.len(),
-        r.faults.len(),
+        planted - undetected.len(),
+        planted,
         if r.clean_passed { "passed" } else { "failed" },
         r.seconds
     );
     if !undetected.is_empty() {
         out += &format!("undetected: {}\n", undetected.join(", "));
+    }
+    let skipped: Vec<&str> = r.faults.iter().filter(|f| f.skipped.is_some()).map(|f| f.fault.as_str()).collect();
+    if !skipped.is_empty() {
+        out += &format!("skipped (outside the selected scenarios): {}\n", skipped.join(", "));
     }
     out
 }

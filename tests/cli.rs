@@ -214,7 +214,7 @@ fn generate_json_and_bad_checkpoint_errors() {
         "--max-tokens",
         "3",
         "--json",
-        "--kv",
+        "--backend",
         "paged",
         "--block-size",
         "4",
@@ -223,7 +223,20 @@ fn generate_json_and_bad_checkpoint_errors() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["prompt_ids"], serde_json::json!([104, 105]));
     assert_eq!(v["tokens"].as_array().unwrap().len(), 3);
+    assert_eq!(v["kv"], "paged");
     assert_eq!(v["device"], "cpu", "PARITY_DEVICE=cpu is honoured and recorded");
+    // `--json PATH` writes a file as it does on `run`; `--kv` is still understood.
+    let dir = common::scratch("generate-json");
+    let file = dir.join("out.json");
+    let o = parity(
+        &["generate", "fixtures/qwen3-tiny.toml", "--prompt", "hi", "--max-tokens", "3", "--kv", "paged"]
+            .into_iter()
+            .chain(["--json", file.to_str().unwrap()])
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    let written: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(written["tokens"], v["tokens"]);
     let o = parity(&["generate", "/nonexistent/model", "--prompt", "hi"]);
     assert_ne!(code(&o), 0);
     assert!(text(&o).contains("/nonexistent/model") && !text(&o).contains("panicked"), "{}", text(&o));

@@ -138,6 +138,7 @@ fn report() -> Report {
     drift.pass = false;
     drift.failure = Some("max relative RMS 3.000e-2 > tolerance 1.0e-2".into());
     drift.max_rel_rms = Some(3e-2);
+    drift.step_rel_rms = vec![Some(1e-3), Some(2e-3), Some(3e-2), Some(4e-3)];
     drift.noise_floor_rel_rms = Some(0.0);
     drift.notes = vec!["3 rollbacks of 4 rows".into()];
     rows.push(drift);

@@ -166,3 +166,30 @@ fn json_to_stdout_with_a_dash() {
     assert!(!common::repo().join("-").exists());
     assert!(String::from_utf8_lossy(&o.stderr).contains("PASS"));
 }
+
+/// Guards "`selftest --scenario batch2` reports faults as missed that batch2 cannot catch":
+/// faults outside the selection are skipped and named; the ones batch2 can catch are planted.
+#[test]
+fn a_narrowed_selftest_skips_the_faults_its_scenarios_cannot_catch() {
+    let o = parity(&["selftest", "suites/fixtures.toml", "--scenario", "batch2", "--filter", "llama-tiny/"]);
+    let out = text(&o);
+    assert_eq!(code(&o), 0, "{out}");
+    // rope-batch-alias, gather-off-by-one, stale-block, batch-row-swap, ragged-mask-wide.
+    assert!(out.contains("PASS: 5 of 5 faults caught"), "{out}");
+    let skipped = out.lines().find(|l| l.starts_with("paged-trim-noop")).unwrap_or_default();
+    assert!(skipped.contains("skipped") && skipped.contains("only padded, rollback can catch it"), "{out}");
+    assert!(out.contains("skipped (outside the selected scenarios): paged-trim-noop"), "{out}");
+    let o = parity(&["selftest", "suites/fixtures.toml", "--scenario", "chunked", "--fault", "cow-skipped"]);
+    assert_eq!(code(&o), 2, "nothing planted is never a pass: {}", text(&o));
+}
+
+/// insta users carry `INSTA_UPDATE=force` over: it is accepted (as `always`), and a value
+/// neither tool knows is refused naming the variable it came from, before any work.
+#[test]
+fn snapshot_update_variables_are_understood_or_refused_by_name() {
+    let o = command().env("INSTA_UPDATE", "sometimes").args(["run", "suites/fixtures.toml"]).output().expect("run");
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("INSTA_UPDATE: unknown update mode `sometimes`"), "{}", text(&o));
+    let force: parity::report::snapshot::UpdateMode = "force".parse().expect("force");
+    assert_eq!(force, parity::report::snapshot::UpdateMode::Always);
+}

@@ -1,3 +1,4 @@
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
@@ -26,18 +27,19 @@ pub struct Args {
     /// Compute dtype: float32, bfloat16, float16 or native (as stored).
     #[arg(long, default_value = "float32")]
     dtype: DtypeSetting,
-    /// KV storage backend.
-    #[arg(long, default_value = "dense")]
-    kv: Backend,
+    /// KV storage backend: dense or paged (`--kv` is the old spelling).
+    #[arg(long, alias = "kv", default_value = "dense", value_name = "BACKEND")]
+    backend: Backend,
     /// Rows per KV block (paged backend).
     #[arg(long, default_value_t = 32)]
     block_size: usize,
     /// Dequantize quantized weights at load (faster on CPU; recorded in output).
     #[arg(long)]
     dequantize: bool,
-    /// Print {"prompt_ids", "tokens", "text"} as JSON on stdout.
-    #[arg(long)]
-    json: bool,
+    /// Write {"prompt_ids", "tokens", "text", ...} as JSON to PATH, or to stdout with `-` or
+    /// no value (as `run --json`).
+    #[arg(long, value_name = "PATH", num_args = 0..=1, default_missing_value = "-")]
+    json: Option<PathBuf>,
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
@@ -56,22 +58,28 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let model = Model::load(&dir, config, a.dtype.resolve(), a.dequantize)
         .with_context(|| format!("loading {}", dir.display()))?;
     let settings = Settings { block_size: a.block_size, poison: false, ..Settings::default() };
-    let mut kv = Builtin::new(&model, a.kv, &settings).kv(Faults::NONE)?;
+    let mut kv = Builtin::new(&model, a.backend, &settings).kv(Faults::NONE)?;
     let (_, trace) = builtin::generate(&model, kv.as_mut(), &prompt_ids, a.max_tokens)?;
     // Garbage from NaN logits is not an answer: fail, blaming the checkpoint or runtime.
     crate::compare::require_finite("logits", &trace.logits)?;
     let text = tokenizer.decode(&trace.tokens)?;
-    if a.json {
+    if let Some(path) = &a.json {
         let out = serde_json::json!({
             "prompt_ids": prompt_ids,
             "tokens": trace.tokens,
             "text": text,
             "dtype": model.dtype.name(),
-            "kv": a.kv.name(),
+            "kv": a.backend.name(),
             "dequantized": model.dequantized,
             "device": crate::runtime::device(),
         });
-        println!("{}", serde_json::to_string(&out)?);
+        let json = serde_json::to_string(&out)?;
+        if path.as_os_str() == "-" {
+            println!("{json}");
+        } else {
+            std::fs::write(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
+            println!("{text}");
+        }
     } else {
         println!("{text}");
     }

@@ -42,7 +42,28 @@ pub(crate) fn color(is_terminal: bool) -> bool {
     }
 }
 
+/// Shown under `parity --help`: what scripts and CI need that no single flag says.
+const AFTER_HELP: &str = "\
+Exit codes:
+  0    every selected row passed (and no unaccepted snapshot change)
+  1    a parity failure, or a snapshot change not accepted
+  2    usage, suite or input error (before any work when it can be known), or a run that
+       selects nothing
+  125  with --bisect: the commit cannot be judged (nothing selected, checkpoint missing)
+
+Environment:
+  PARITY_DEVICE      default for --device (auto, cpu, gpu)
+  PARITY_UPDATE      snapshot policy for run: new (default), always, unseen, no
+  INSTA_UPDATE       read when PARITY_UPDATE is unset, with insta's meanings
+  PARITY_SHARED      where the tests find ../shared (checkpoints, references)
+  HF_HUB_CACHE, HF_HOME
+                     where a Hugging Face repo id is looked up (offline, never downloaded)
+  NO_COLOR           no colour under --color auto
+
+Docs: README.md; the step protocol for engine adapters: docs/step-protocol.md";
+
 #[derive(Parser)]
+#[command(after_help = AFTER_HELP)]
 #[command(name = "parity", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("PARITY_GIT_COMMIT"), ")"), about = "Prove an MLX engine's paged KV-cache decode path matches its dense path")]
 struct Cli {
     /// MLX device: auto (the GPU on Apple Silicon, else the CPU), cpu or gpu. Reports record it,

@@ -44,6 +44,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
         return Ok(ExitCode::from(EXIT_USAGE));
     }
     print!("{}", selftest::render(&report));
+    if report.planted().next().is_none() && !to_plant.is_empty() {
+        // Every fault was outside the selection: nothing was checked, so never a pass.
+        eprintln!("error: none of the faults asked for can be caught by the scenarios selected");
+        return Ok(ExitCode::from(EXIT_USAGE));
+    }
     if let Some(path) = &a.common.json {
         let json = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;

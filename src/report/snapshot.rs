@@ -33,21 +33,27 @@ impl std::str::FromStr for UpdateMode {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "new" | "auto" => Ok(UpdateMode::New),
-            "always" | "overwrite" => Ok(UpdateMode::Always),
+            // insta's `force` rewrites even unchanged snapshots; parity writes every
+            // snapshot of a run anyway, so it is `always`.
+            "always" | "overwrite" | "force" => Ok(UpdateMode::Always),
             "unseen" => Ok(UpdateMode::Unseen),
             "no" => Ok(UpdateMode::No),
-            other => Err(format!("unknown update mode `{other}`; expected new, always, unseen or no")),
+            other => Err(format!("unknown update mode `{other}`; expected new, always (or force), unseen or no")),
         }
     }
 }
 
 impl UpdateMode {
     /// From `PARITY_UPDATE`, else `INSTA_UPDATE`, else `new`.
+    /// A bad value is an error naming the variable it came from.
     pub fn from_env() -> Result<Self, String> {
-        match std::env::var("PARITY_UPDATE").or_else(|_| std::env::var("INSTA_UPDATE")) {
-            Ok(v) if !v.is_empty() => v.parse(),
-            _ => Ok(UpdateMode::New),
+        for var in ["PARITY_UPDATE", "INSTA_UPDATE"] {
+            match std::env::var(var) {
+                Ok(v) if !v.is_empty() => return v.parse().map_err(|e| format!("{var}: {e}")),
+                _ => {}
+            }
         }
+        Ok(UpdateMode::New)
     }
 }
 

@@ -193,17 +193,39 @@ pub(crate) fn details(row: &Row, checkpoint: Option<&CheckpointReport>) -> Vec<(
     if let Some(d) = &row.first_divergence {
         out.push(("divergence", location(d, row.paths, checkpoint)));
         let c = &d.choice;
-        out.push(("reference", format!("{}; gap {:.3}", top2(&c.reference_top), c.reference_gap)));
+        // The gap is between the reference's choice and the path's, which is not always the
+        // reference's runner-up: name both tokens so the number cannot be misread.
+        out.push((
+            "reference",
+            format!(
+                "{}; its gap from {} to the path's {} is {:.3}",
+                top2(&c.reference_top),
+                c.reference_token,
+                c.token,
+                c.reference_gap
+            ),
+        ));
         let mutual = if c.mutual_top_k { "mutual" } else { "not mutual" };
+        // The threshold is the observed shift unless the dtype's spacing floor raised it;
+        // printing it only then keeps the common case to one number.
+        let threshold = if c.tie_threshold > c.observed_shift {
+            format!(" (tie threshold {:.3}: the dtype's spacing at these logits)", c.tie_threshold)
+        } else {
+            String::new()
+        };
         out.push((
             "path",
             format!(
-                "{}; shift {:.3}, tie threshold {:.3}, {mutual} top-{TOP_K}",
+                "{}; logits shifted by up to {:.3}{threshold}, {mutual} top-{TOP_K}",
                 top2(&c.top),
-                c.observed_shift,
-                c.tie_threshold
+                c.observed_shift
             ),
         ));
+    } else if !row.pass && row.verdict != Verdict::Error {
+        // Same tokens, failed on RMS: point at the step where the logits drifted most.
+        if let Some((step, v)) = worst_step(row) {
+            out.push(("worst step", format!("step {step}: rel RMS {v:.3e} (tokens identical)")));
+        }
     }
     if row.verdict != Verdict::Error {
         out.push(("rel RMS", rms(row)));
@@ -221,6 +243,11 @@ pub(crate) fn details(row: &Row, checkpoint: Option<&CheckpointReport>) -> Vec<(
         out.push(("notes", row.notes.join("\n")));
     }
     out
+}
+
+/// The step with the largest relative RMS (NaN steps excluded).
+pub(crate) fn worst_step(row: &Row) -> Option<(usize, f32)> {
+    row.step_rel_rms.iter().enumerate().filter_map(|(i, v)| v.map(|v| (i, v))).max_by(|a, b| a.1.total_cmp(&b.1))
 }
 
 /// Where the path left its reference, in the terms of the cache layout: the position within
