@@ -1,10 +1,18 @@
-"""Baseline: mlx-lm's plain greedy decode speed on a checkpoint, for `parity bench` to print
-beside its own numbers. Run it through ci/bench-mlx-lm, which sets up the pinned venv.
+"""Baseline: mlx-lm's greedy decode speed on a checkpoint, for `parity bench` to print beside
+its own numbers. Run it through ci/bench-mlx-lm, which sets up the pinned venv.
 
-Both sides must do the same work for the numbers to mean anything, so this measures exactly
-what parity does, not what mlx-lm's `generate` does at its fastest: one prompt forward pass on
-a fresh cache, then one synchronous forward pass per token (no async_eval pipelining, no
-chunked prefill, no compiled sampler), with the same synthetic prompt ids (`prompt_ids`).
+Both sides must do the same work for the numbers to mean anything: the same synthetic prompt
+ids (`prompt_ids`), the same ragged lengths per batch row (`ragged_lengths`), the same number
+of greedy tokens per row. Three measurements:
+
+- `sync` (batch 1): exactly what parity's loop does: one prompt forward pass on a fresh cache,
+  then one synchronous forward pass per token (no async_eval pipelining, no chunked prefill).
+- `generate_step` (batch 1): mlx-lm's own single-sequence generator, pipelined (step n+1 is
+  queued before token n is read).
+- `batch_generate` (every batch size in --batch): mlx-lm's batched generator (BatchKVCache,
+  left padding, per-row RoPE offsets, pipelined), called with no stop tokens so that every row
+  decodes all its tokens, as parity's rows do (a row stopped at EOS would shrink the batch).
+  Its own statistics are reported: prompt tok/s over its batched prefill, generation tok/s.
 
 Token convention (shared with parity's engine::generate): the prefill's argmax is the first
 greedy token; each of the `--decode` steps feeds the previous token back and yields the next.
@@ -24,8 +32,10 @@ import time
 
 import mlx.core as mx
 from mlx.utils import tree_map_with_path
-from mlx_lm import load
+from mlx_lm import batch_generate, load
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import dequantize_model
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -36,6 +46,11 @@ def prompt_ids(prompt_len, vocab_size):
     if vocab_size >= 21000:
         return [1000 + (i * 7919) % 20000 for i in range(prompt_len)]
     return [3 + (i * 7919) % (vocab_size - 3) for i in range(prompt_len)]
+
+
+def ragged_lengths(prompt_len, batch):
+    # parity's bench::ragged_lengths: row 0 has prompt_len, later rows down to about half.
+    return [max(prompt_len - b * prompt_len // (2 * batch), 1) for b in range(batch)]
 
 
 def cast_model(model, dtype):
@@ -72,8 +87,8 @@ def greedy_run(model, ids, steps, timed):
     mx.eval(token)
     t2 = time.perf_counter()
 
-    # Each step waits for its token on the host before building the next input, as parity
-    # does; mlx-lm's generate_step would instead queue step n+1 before reading token n.
+    # Each step waits for its token on the host before building the next input, as parity's
+    # engine loop does; generate_step (and parity's bench) queue step n+1 before reading token n.
     tokens = [token.item()]
     for _ in range(steps):
         logits = model(mx.array([[tokens[-1]]], dtype=mx.uint32), cache=cache)[:, -1, :]
@@ -83,6 +98,35 @@ def greedy_run(model, ids, steps, timed):
     t3 = time.perf_counter()
 
     return tokens, ((t1 - t0, t2 - t0, t3 - t2) if timed else None)
+
+
+def step_run(model, ids, steps):
+    """mlx-lm's generate_step: (tokens, prefill_s, decode_s) for `steps` tokens after the first."""
+    t0 = time.perf_counter()
+    tokens = []
+    t1 = t0
+    for i, (token, _) in enumerate(generate_step(mx.array(ids, dtype=mx.uint32), model, max_tokens=steps + 1)):
+        if i == 0:
+            t1 = time.perf_counter()
+        tokens.append(int(token))
+    return tokens, t1 - t0, time.perf_counter() - t1
+
+
+class NoStop:
+    """What batch_generate asks of a tokenizer, with no stop tokens (see the module docs)."""
+
+    eos_token_ids = []
+
+    def decode(self, _ids):
+        return ""
+
+
+def batch_run(model, prompts, steps):
+    """mlx-lm's batch_generate: (per-row tokens, its BatchStats)."""
+    r = batch_generate(model, NoStop(), prompts, max_tokens=steps + 1, return_token_ids=True)
+    if any(len(t) != steps + 1 for t in r.token_ids):
+        sys.exit("error: batch_generate stopped a row early; the rows must all do the same work")
+    return r.token_ids, r.stats
 
 
 def blas_in_use():
@@ -131,7 +175,17 @@ def main():
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--batch",
+        default="1",
+        help="batch sizes for batch_generate, comma separated (ragged lengths as parity's bench)",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="dequantize every quantized layer after the cast (as parity's --dequantize)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument(
         "--check-reference",
@@ -142,6 +196,12 @@ def main():
     for name in ("prompt_len", "decode", "reps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        p.error(f"--batch {args.batch}: expected comma-separated integers")
+    if not batches or min(batches) < 1:
+        p.error("--batch sizes must be at least 1")
 
     # The same device choice as parity's (PARITY_DEVICE: auto, cpu or gpu), so that
     # `PARITY_DEVICE=cpu` benchmarks both sides on the CPU; `parity bench --mlx-lm` refuses a
@@ -169,6 +229,10 @@ def main():
 
     model, _tokenizer, config = load(args.checkpoint, return_config=True)
     cast_model(model, DTYPES[args.dtype])
+    if args.dequantize:
+        # After the cast, so the weights come out of float32 scales and biases, as parity's do.
+        model = dequantize_model(model)
+        mx.eval(model.parameters())
 
     if args.check_reference:
         sys.exit(0 if check_reference(model, args.check_reference) else 1)
@@ -193,12 +257,47 @@ def main():
         decode_tps.append(args.decode / decode_s)
         ttft_ms.append(ttft_s * 1000)
 
+    # generate_step, warmed up like the rest.
+    step_tokens, _, _ = step_run(model, ids, args.decode)
+    step_prefill, step_decode = [], []
+    for _ in range(args.reps):
+        gc.collect()
+        tokens, prefill_s, decode_s = step_run(model, ids, args.decode)
+        if tokens != step_tokens:
+            sys.exit("error: generate_step tokens differ between repetitions")
+        step_prefill.append(args.prompt_len / prefill_s)
+        step_decode.append(args.decode / decode_s)
+
+    batch_results = []
+    for batch in batches:
+        lengths = ragged_lengths(args.prompt_len, batch)
+        prompts = [ids[:n] for n in lengths]
+        rows, _ = batch_run(model, prompts, args.decode)
+        prompt_tps, generation_tps = [], []
+        for _ in range(args.reps):
+            gc.collect()
+            again, stats = batch_run(model, prompts, args.decode)
+            if again != rows:
+                sys.exit(f"error: batch_generate tokens differ between repetitions (batch {batch})")
+            prompt_tps.append(stats.prompt_tps)
+            generation_tps.append(stats.generation_tps)
+        batch_results.append(
+            {
+                "batch": batch,
+                "prompt_lengths": lengths,
+                "prefill_tps": summary(prompt_tps),
+                "decode_tps": summary(generation_tps),
+                "greedy_tokens": rows,
+            }
+        )
+
     result = {
         "runtime": "mlx-lm",
         "mlx_lm_version": importlib.metadata.version("mlx-lm"),
         "mlx_version": mx.__version__,
         "checkpoint": os.path.abspath(args.checkpoint),
         "dtype": args.dtype,
+        "dequantized": args.dequantize,
         "prompt_len": args.prompt_len,
         "decode": args.decode,
         "reps": args.reps,
@@ -208,21 +307,32 @@ def main():
         "device": device,
         "blas": blas_in_use(),
         "greedy_tokens": greedy_tokens,
+        "generate_step": {
+            "prefill_tps": summary(step_prefill),
+            "decode_tps": summary(step_decode),
+            "greedy_tokens": step_tokens,
+        },
+        "batch_generate": batch_results,
     }
 
     print(
         f"mlx-lm {result['mlx_lm_version']} (mlx {result['mlx_version']}, {device}, "
-        f"{result['blas']}), {args.dtype}, prompt {args.prompt_len}, decode {args.decode}, "
+        f"{result['blas']}), {args.dtype}{' dequantized' if args.dequantize else ''}, "
+        f"prompt {args.prompt_len}, decode {args.decode}, "
         f"{args.reps} reps after 1 warm-up"
     )
-    print(f"{'':16}{'median':>10}{'min':>10}{'max':>10}")
-    for label, key in (
-        ("prefill tok/s", "prefill_tps"),
-        ("decode tok/s", "decode_tps"),
-        ("TTFT ms", "ttft_ms"),
-    ):
-        s = result[key]
-        print(f"{label:16}{s['median']:10.1f}{s['min']:10.1f}{s['max']:10.1f}")
+    print(f"{'':34}{'median':>10}{'min':>10}{'max':>10}")
+    rows = [
+        ("sync loop, B=1: prefill tok/s", result["prefill_tps"]),
+        ("sync loop, B=1: decode tok/s", result["decode_tps"]),
+        ("sync loop, B=1: TTFT ms", result["ttft_ms"]),
+        ("generate_step: decode tok/s", result["generate_step"]["decode_tps"]),
+    ]
+    for b in batch_results:
+        rows.append((f"batch_generate B={b['batch']}: prompt tok/s", b["prefill_tps"]))
+        rows.append((f"batch_generate B={b['batch']}: decode tok/s", b["decode_tps"]))
+    for label, s in rows:
+        print(f"{label:34}{s['median']:10.1f}{s['min']:10.1f}{s['max']:10.1f}")
 
     if args.json:
         with open(args.json, "w") as f:

@@ -7,8 +7,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Fault {
-    /// Batched decode rotates the whole `[B, H, 1, D]` tensor once with row 0's offset; the
-    /// batch axis aliases the sequence axis, so row b is rotated at offset + b.
+    /// Batched attention rotates the whole `[B, H, 1, D]` decode tensor in one call with row 0's
+    /// offset; the batch axis aliases the sequence axis, so row b is rotated at offset + b.
     RopeBatchAlias,
     /// Paged trim returns 0 and removes nothing (the pool-backed trim no-op).
     PagedTrimNoop,
@@ -21,13 +21,17 @@ pub enum Fault {
     StaleBlock,
     /// Padded prefill attends to the pad rows of left-padded sequences.
     PadUnmasked,
-    /// In a B>1 decode, rows 0 and 1 are rotated at each other's positions.
+    /// In a B>1 batched decode, the offsets array exchanges rows 0 and 1: each is rotated at
+    /// the other's position.
     BatchRowSwap,
     /// A write into a block shared with another sequence skips the copy-on-write.
     CowSkipped,
     /// Paged release forgets the sequence but never frees its blocks: same tokens, but the
     /// pool leaks until a real engine runs out of KV blocks. Only the books audit sees it.
     BlockLeak,
+    /// The batched attention mask is one key too wide for a row shorter than the batch's
+    /// longest: it sees the filler column just past its end.
+    RaggedMaskWide,
 }
 
 pub const ALL: &[Fault] = &[
@@ -40,6 +44,7 @@ pub const ALL: &[Fault] = &[
     Fault::BatchRowSwap,
     Fault::CowSkipped,
     Fault::BlockLeak,
+    Fault::RaggedMaskWide,
 ];
 
 impl Fault {
@@ -54,6 +59,7 @@ impl Fault {
             Fault::BatchRowSwap => "batch-row-swap",
             Fault::CowSkipped => "cow-skipped",
             Fault::BlockLeak => "block-leak",
+            Fault::RaggedMaskWide => "ragged-mask-wide",
         }
     }
 

@@ -70,6 +70,7 @@ pub fn catching_scenarios(fault: Fault) -> &'static [Scenario] {
         Fault::BatchRowSwap => &[Batch2, Concurrent, Padded],
         Fault::CowSkipped => &[Prefix],
         Fault::BlockLeak => &[Concurrent, Prefix],
+        Fault::RaggedMaskWide => &[Batch2, Concurrent, Padded],
     }
 }
 

@@ -21,6 +21,7 @@ mod engine_openai;
 
 use crate::compare::Verdict;
 use crate::dtype::DtypeSetting;
+use crate::engine::builtin::BuiltinPath;
 use crate::engine::openai::spec::{self as openai, OpenaiPath, OpenaiSpec, PromptForm, ServerSpec};
 use crate::kv::Backend;
 use crate::scenario::{self, Scenario, Settings};
@@ -28,7 +29,8 @@ use crate::scenario::{self, Scenario, Settings};
 /// Which engine serves a checkpoint's paths (`[engine]`, or `engine = {...}` on a checkpoint).
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineSpec {
-    /// parity's own runtime: paths `dense` and `paged`, reference `dense`.
+    /// parity's own runtime: paths `dense` and `paged` (batched attention) unless the suite
+    /// also names `dense-rowwise`, `paged-rowwise`; reference `dense`.
     Builtin,
     /// An adapter process per path, speaking the step protocol (docs/step-protocol.md).
     Process(ProcessSpec),
@@ -38,18 +40,26 @@ pub enum EngineSpec {
 }
 
 impl EngineSpec {
-    /// The path names this engine offers, in the order written.
+    /// The paths a checkpoint runs when the suite names none, in the order written.
     pub fn path_names(&self) -> Vec<String> {
         match self {
-            EngineSpec::Builtin => vec![Backend::Dense.name().into(), Backend::Paged.name().into()],
+            EngineSpec::Builtin => BuiltinPath::DEFAULT.iter().map(|p| p.name()).collect(),
             EngineSpec::Process(p) => p.paths.iter().map(|(n, _)| n.clone()).collect(),
             EngineSpec::Openai(o) => o.paths.iter().map(|p| p.name.clone()).collect(),
         }
     }
 
+    /// Every path a suite may name for this engine.
+    pub fn known_paths(&self) -> Vec<String> {
+        match self {
+            EngineSpec::Builtin => BuiltinPath::ALL.iter().map(|p| p.name()).collect(),
+            EngineSpec::Process(_) | EngineSpec::Openai(_) => self.path_names(),
+        }
+    }
+
     pub fn reference(&self) -> ReferenceSpec {
         match self {
-            EngineSpec::Builtin => ReferenceSpec::Builtin(Backend::Dense),
+            EngineSpec::Builtin => ReferenceSpec::Builtin(BuiltinPath::batched(Backend::Dense)),
             EngineSpec::Process(p) => p.reference.clone(),
             EngineSpec::Openai(o) => ReferenceSpec::Path(o.reference.clone()),
         }
@@ -81,7 +91,7 @@ pub enum ReferenceSpec {
     Path(String),
     /// A path of parity's builtin runtime on the same checkpoint (`builtin:dense`): an engine
     /// checked against an independent implementation, not only against itself.
-    Builtin(Backend),
+    Builtin(BuiltinPath),
 }
 
 impl ReferenceSpec {
@@ -170,7 +180,15 @@ impl CheckpointSpec {
     /// whether they are paged), so none of them counts here.
     pub fn kv_backends(&self) -> Vec<Backend> {
         match self.engine {
-            EngineSpec::Builtin => self.paths.iter().filter_map(|p| p.parse().ok()).collect(),
+            EngineSpec::Builtin => {
+                let mut kv: Vec<Backend> = Vec::new();
+                for p in self.paths.iter().filter_map(|p| p.parse::<BuiltinPath>().ok()) {
+                    if !kv.contains(&p.backend) {
+                        kv.push(p.backend);
+                    }
+                }
+                kv
+            }
             // Neither owns one of parity's KV pools: the engine keeps its cache to itself.
             EngineSpec::Process(_) | EngineSpec::Openai(_) => Vec::new(),
         }
@@ -502,7 +520,7 @@ impl Ctx<'_> {
 
     /// Path names a checkpoint runs: each must be a path of its engine, none twice.
     fn paths(&self, list: &[Spanned<String>], engine: &EngineSpec) -> Result<Vec<String>, SuiteError> {
-        let known = engine.path_names();
+        let known = engine.known_paths();
         let mut out: Vec<String> = Vec::new();
         for b in list {
             let name = b.get_ref();
@@ -583,12 +601,15 @@ impl Ctx<'_> {
                         ),
                         None if names.contains(&r.get_ref().as_str()) => ReferenceSpec::Path(r.get_ref().clone()),
                         None => {
+                            let builtin: Vec<String> =
+                                BuiltinPath::ALL.iter().map(|p| format!("builtin:{}", p.name())).collect();
                             return Err(self.err(
                                 r.span(),
                                 format!(
-                                    "engine.reference: `{}` is not a path of this engine ({}) nor builtin:dense / builtin:paged",
+                                    "engine.reference: `{}` is not a path of this engine ({}) nor {}",
                                     r.get_ref(),
-                                    names.join(", ")
+                                    names.join(", "),
+                                    builtin.join(" / ")
                                 ),
                             ));
                         }

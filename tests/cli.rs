@@ -320,51 +320,75 @@ fn device_gpu_runs_there_or_fails_loudly() {
 }
 
 /// `parity bench --mlx-lm` compares engines, so it refuses a baseline measured on another
-/// device or length, and fails (exit 1) when the two engines' greedy tokens differ: a speed
-/// ratio between different computations means nothing.
+/// device, length, dequantization or batch layout, and fails (exit 1) when the two engines'
+/// greedy tokens differ: a speed ratio between different computations means nothing.
 #[test]
 fn bench_against_mlx_lm_refuses_other_setups_and_fails_on_other_tokens() {
     let dir = common::scratch("cli-bench");
     let fixture = common::fixture("llama-tiny");
-    let bench = |extra: &[&str]| {
+    let bench = |batch: &str, extra: &[&str]| {
         let f = fixture.to_str().unwrap();
         command()
-            .args(["bench", f, "--prompt-len", "8", "--decode", "4", "--reps", "1", "--batch", "1"])
+            .args(["bench", f, "--prompt-len", "8", "--decode", "4", "--reps", "1", "--batch", batch])
             .args(extra)
             .output()
             .expect("run parity")
     };
     let ours = dir.join("parity.json");
-    let o = bench(&["--json", ours.to_str().unwrap()]);
+    let o = bench("1,3", &["--json", ours.to_str().unwrap()]);
     assert_eq!(code(&o), 0, "{}", text(&o));
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ours).unwrap()).unwrap();
-    let tokens = v["rows"].as_array().unwrap().iter().find(|r| r["backend"] == "dense").unwrap()["tokens"].clone();
+    let tokens = |batch: u64| {
+        let rows = v["rows"].as_array().unwrap();
+        rows.iter().find(|r| r["backend"] == "dense" && r["batch"] == batch).unwrap()["tokens"].clone()
+    };
+    let (one, three) = (tokens(1), tokens(3));
+    assert_eq!(three.as_array().unwrap().len(), 3, "every row's tokens are recorded");
     let stats = serde_json::json!({"median": 1.0, "min": 1.0, "max": 1.0});
-    let baseline = |device: &str, prompt_len: u64, tokens: &serde_json::Value| {
-        let p = dir.join(format!("mlx-lm-{device}-{prompt_len}.json"));
-        let b = serde_json::json!({
-            "mlx_lm_version": "0.32.2", "device": device, "dtype": "float32", "prompt_len": prompt_len,
-            "decode": 4, "decode_tps": stats, "prefill_tps": stats, "greedy_tokens": tokens,
-        });
+    let write = |name: &str, b: serde_json::Value| {
+        let p = dir.join(format!("mlx-lm-{name}.json"));
         std::fs::write(&p, b.to_string()).unwrap();
         p
     };
-    let same = baseline("cpu", 8, &tokens);
-    let o = bench(&["--mlx-lm", same.to_str().unwrap()]);
+    let baseline = |device: &str, prompt_len: u64, three: &serde_json::Value| {
+        serde_json::json!({
+            "mlx_lm_version": "0.32.2", "device": device, "dtype": "float32", "dequantized": false,
+            "prompt_len": prompt_len, "decode": 4, "decode_tps": stats, "prefill_tps": stats,
+            "greedy_tokens": one[0],
+            "generate_step": {"decode_tps": stats, "prefill_tps": stats, "greedy_tokens": one[0]},
+            "batch_generate": [
+                {"batch": 1, "prompt_lengths": [8], "decode_tps": stats, "prefill_tps": stats, "greedy_tokens": one},
+                {"batch": 3, "prompt_lengths": [8, 7, 6], "decode_tps": stats, "prefill_tps": stats, "greedy_tokens": three},
+            ],
+        })
+    };
+    let same = write("same", baseline("cpu", 8, &three));
+    let o = bench("1,3", &["--mlx-lm", same.to_str().unwrap()]);
     assert_eq!(code(&o), 0, "{}", text(&o));
-    assert!(text(&o).contains("greedy tokens identical"), "{}", text(&o));
+    assert!(text(&o).contains("batch_generate B=3"), "{}", text(&o));
+    assert!(text(&o).contains("generate_step (B=1)"), "{}", text(&o));
+    assert!(!text(&o).contains("DIFFER"), "{}", text(&o));
 
-    let gpu = baseline("gpu", 8, &tokens);
-    let o = bench(&["--mlx-lm", gpu.to_str().unwrap()]);
+    let gpu = write("gpu", baseline("gpu", 8, &three));
+    let o = bench("1", &["--mlx-lm", gpu.to_str().unwrap()]);
     assert_eq!(code(&o), 2, "{}", text(&o));
-    assert!(text(&o).contains("device \"gpu\"; this run uses 8, 4, float32, cpu"), "{}", text(&o));
-    let longer = baseline("cpu", 16, &tokens);
-    assert_eq!(code(&bench(&["--mlx-lm", longer.to_str().unwrap()])), 2);
+    assert!(text(&o).contains("device \"gpu\"; this run uses 8, 4, float32, false, cpu"), "{}", text(&o));
+    let longer = write("longer", baseline("cpu", 16, &three));
+    assert_eq!(code(&bench("1", &["--mlx-lm", longer.to_str().unwrap()])), 2);
+    let o = bench("1", &["--mlx-lm", same.to_str().unwrap(), "--dequantize"]);
+    assert_eq!(code(&o), 2, "another dequantization: {}", text(&o));
+    let o = bench("1,8", &["--mlx-lm", same.to_str().unwrap()]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("no batch_generate run at batch 8"), "{}", text(&o));
+    let mut ragged = baseline("cpu", 8, &three);
+    ragged["batch_generate"][1]["prompt_lengths"] = serde_json::json!([8, 8, 8]);
+    let o = bench("3", &["--mlx-lm", write("ragged", ragged).to_str().unwrap()]);
+    assert_eq!(code(&o), 2, "other ragged lengths: {}", text(&o));
 
-    let mut other = tokens.as_array().unwrap().clone();
-    other[0] = serde_json::json!(other[0].as_u64().unwrap() + 1);
-    let differ = baseline("cpu", 8, &serde_json::Value::Array(other));
-    let o = bench(&["--mlx-lm", differ.to_str().unwrap()]);
+    let mut other = three.clone();
+    other[2][1] = serde_json::json!(other[2][1].as_u64().unwrap() + 1);
+    let differ = write("differ", baseline("cpu", 8, &other));
+    let o = bench("3", &["--mlx-lm", differ.to_str().unwrap()]);
     assert_eq!(code(&o), 1, "{}", text(&o));
     assert!(text(&o).contains("different greedy tokens"), "{}", text(&o));
 }

@@ -188,7 +188,7 @@ fn adapters_die_with_a_parity_killed_by_sigkill() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("start parity run");
-    let deaf = || processes_tagged(&tag).iter().any(|c| c.contains("misbehave.py deaf"));
+    let deaf = || common::processes_tagged(&tag).iter().any(|c| c.contains("misbehave.py deaf"));
     let deadline = Instant::now() + Duration::from_secs(120);
     while !deaf() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
@@ -199,5 +199,5 @@ fn adapters_die_with_a_parity_killed_by_sigkill() {
     run.kill().expect("SIGKILL parity");
     let _ = run.wait();
     assert!(started, "the deaf adapter never started");
-    assert_no_leftovers(&tag);
+    common::assert_no_leftovers(&tag);
 }

@@ -199,7 +199,7 @@ fn prompt_longer_than_the_context_is_an_error() {
 #[test]
 fn exhausted_pool_is_an_error() {
     let (model, _) = common::load(&common::fixture("llama-tiny"));
-    let opts = PoolOptions { block_size: 4, slab_blocks: 2, max_blocks: Some(3), poison: false };
+    let opts = PoolOptions { block_size: 4, initial_blocks: 2, max_blocks: Some(3), poison: false };
     let mut kv = PagedBlockPool::new(model.kv_shape(), opts, Faults::NONE).unwrap();
     let err = engine::generate(&model, &mut kv, &[65; 10], 8).unwrap_err();
     assert!(matches!(err, Error::PoolExhausted { budget: 3, .. }), "{err}");

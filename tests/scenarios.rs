@@ -5,7 +5,7 @@ mod common;
 
 use parity::compare::{self, Verdict};
 use parity::dtype::DtypeName;
-use parity::engine::builtin::Builtin;
+use parity::engine::builtin::{Builtin, BuiltinPath};
 use parity::faults::Faults;
 use parity::kv::Backend;
 use parity::model::Model;
@@ -37,31 +37,29 @@ fn settings() -> Settings {
     }
 }
 
+/// Every builtin path (both backends, batched and row-by-row attention) against the
+/// simplest correct form: dense, row by row.
 #[test]
-fn every_scenario_matches_the_reference_on_both_backends() {
+fn every_scenario_matches_the_reference_on_every_path() {
+    let rowwise: BuiltinPath = "dense-rowwise".parse().unwrap();
     for fixture in ["llama-tiny", "qwen3-tiny"] {
         let (model, _) = common::load(&common::fixture(fixture));
-        let mut reference = Builtin::new(&model, Backend::Dense, &settings());
+        let mut reference = Builtin::new(&model, rowwise, &settings());
         let mut h = Harness::new(&mut reference, settings(), Faults::NONE, pad(&model));
         let prompts = prompts();
         for &sc in scenario::ALL {
-            for backend in [Backend::Dense, Backend::Paged] {
-                let mut path = Builtin::new(&model, backend, &settings());
+            for p in BuiltinPath::ALL {
+                let mut path = Builtin::new(&model, p, &settings());
                 let cases = sc.run(&mut h, &mut path, &prompts);
                 assert!(!cases.is_empty(), "{} produced no cases", sc.name());
                 for c in cases {
-                    assert_eq!(c.outcome, Outcome::Ran, "{fixture} {} {} {}", sc.name(), c.case, backend.name());
+                    assert_eq!(c.outcome, Outcome::Ran, "{fixture} {} {} {}", sc.name(), c.case, p.name());
                     let reference = h.reference(&c.prompt.ids).unwrap();
                     for (row, path) in c.paths.iter().enumerate() {
                         assert!(!path.tokens.is_empty());
                         let cmp = compare::compare(&reference, path, DtypeName::Float32, 1e-3).unwrap();
-                        let what = format!(
-                            "{fixture} {} {} {} {} row {row}",
-                            sc.name(),
-                            c.case,
-                            c.prompt.name,
-                            backend.name()
-                        );
+                        let what =
+                            format!("{fixture} {} {} {} {} row {row}", sc.name(), c.case, c.prompt.name, p.name());
                         assert!(
                             matches!(cmp.verdict, Verdict::Identical | Verdict::NearTie),
                             "{what}: {:?} {:?}",

@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use parity::kv::Backend;
 use parity::suite;
 
 const GOOD: &str = r#"
@@ -87,8 +88,16 @@ fn unknown_dtype_and_backend() {
     assert_at(
         &GOOD.replace("name = \"t\"", "name = \"t\"\nbackends = [\"sparse\"]"),
         3,
-        "unknown path `sparse`; this engine has dense, paged",
+        "unknown path `sparse`; this engine has dense, paged, dense-rowwise, paged-rowwise",
     );
+    // The row-by-row paths run only when named, beside (or instead of) the batched ones.
+    let both =
+        GOOD.replace("name = \"t\"", "name = \"t\"\nbackends = [\"paged\", \"paged-rowwise\", \"dense-rowwise\"]");
+    let s = suite::parse(Path::new("suites/x.toml"), &both).unwrap();
+    assert_eq!(s.checkpoints[0].paths, ["paged", "paged-rowwise", "dense-rowwise"]);
+    assert_eq!(s.checkpoints[0].kv_backends(), [Backend::Paged, Backend::Dense]);
+    let default = suite::parse(Path::new("suites/x.toml"), GOOD).unwrap();
+    assert_eq!(default.checkpoints[0].paths, ["dense", "paged"], "unnamed: the batched paths");
 }
 
 /// An engine table: each mistake names its line, before anything is started.

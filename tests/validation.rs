@@ -163,8 +163,11 @@ fn a_non_finite_reference_is_a_checkpoint_error_on_every_row() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("report");
     let rows = r["rows"].as_array().expect("rows");
-    assert!(!rows.is_empty());
-    for row in rows {
+    // A case the suite cannot form (batch2 ragged with one prompt) is a skipped row that
+    // computed nothing, so it has no reference to blame; every row that ran must blame it.
+    let ran: Vec<&serde_json::Value> = rows.iter().filter(|r| r["verdict"] != "skipped").collect();
+    assert!(!ran.is_empty());
+    for row in ran {
         let f = row["failure"].as_str().unwrap_or_default();
         assert!(f.contains("reference logits are not finite at step 0: the checkpoint or the runtime"), "{row}");
         assert!(!f.contains("poisoned"), "{row}");

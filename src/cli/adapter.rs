@@ -5,7 +5,7 @@ use clap::Args as ClapArgs;
 
 use crate::checkpoint::{self, ModelConfig};
 use crate::dtype::DtypeSetting;
-use crate::kv::Backend;
+use crate::engine::builtin::BuiltinPath;
 use crate::model::Model;
 
 /// Serve parity's own runtime over the step protocol on stdin/stdout (docs/step-protocol.md):
@@ -14,9 +14,9 @@ use crate::model::Model;
 pub struct Args {
     /// Checkpoint: a directory, a Hugging Face repo id in the local cache, or a fixture spec.
     pub checkpoint: String,
-    /// The KV backend this adapter serves.
-    #[arg(long, default_value = "dense", value_name = "dense|paged")]
-    pub path: Backend,
+    /// The builtin path this adapter serves: a KV backend, batched or row-by-row attention.
+    #[arg(long, default_value = "dense", value_name = "dense|paged|dense-rowwise|paged-rowwise")]
+    pub path: BuiltinPath,
     /// Compute dtype: float32, bfloat16, float16 or native.
     #[arg(long, default_value = "float32")]
     pub dtype: DtypeSetting,

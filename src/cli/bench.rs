@@ -6,11 +6,13 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 
+use crate::bench::BenchRow;
 use crate::bench::{self, BenchOptions};
 use crate::checkpoint::{self, ModelConfig};
 use crate::dtype::DtypeSetting;
+use crate::engine::builtin::BuiltinPath;
 use crate::kv::Backend;
-use crate::model::Model;
+use crate::model::{AttentionMode, Model};
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -19,6 +21,10 @@ pub struct Args {
     /// dense, paged or both.
     #[arg(long, default_value = "both")]
     backend: String,
+    /// Attention modes, comma separated: batched (paths dense, paged) and row-by-row (paths
+    /// dense-rowwise, paged-rowwise).
+    #[arg(long, default_value = "batched", value_delimiter = ',')]
+    attention: Vec<AttentionMode>,
     /// Batch sizes, comma separated.
     #[arg(long, default_value = "1,2,4,8", value_delimiter = ',')]
     batch: Vec<usize>,
@@ -41,8 +47,8 @@ pub struct Args {
     /// Write results as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// JSON written by `ci/bench-mlx-lm` on the same checkpoint, prompt and decode length:
-    /// print parity vs mlx-lm.
+    /// JSON written by `ci/bench-mlx-lm` on the same checkpoint, prompt and decode length,
+    /// dtype, dequantization and batch sizes: print parity vs mlx-lm.
     #[arg(long)]
     mlx_lm: Option<PathBuf>,
 }
@@ -81,62 +87,23 @@ pub fn run(a: Args) -> Result<ExitCode> {
             let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
-            // A GPU baseline against a CPU run (or other lengths/dtypes) would compare machines,
-            // not engines.
-            let device = crate::runtime::device();
-            let same_setup = v["prompt_len"].as_u64() == Some(a.prompt_len as u64)
-                && v["decode"].as_u64() == Some(a.decode as u64)
-                && v["dtype"].as_str() == Some(model.dtype.name())
-                && v["device"].as_str() == Some(device.as_str());
-            if !same_setup {
-                anyhow::bail!(
-                    "{} was measured with prompt_len {}, decode {}, dtype {}, device {}; this run uses {}, {}, {}, {}",
-                    p.display(),
-                    v["prompt_len"],
-                    v["decode"],
-                    v["dtype"],
-                    v["device"],
-                    a.prompt_len,
-                    a.decode,
-                    model.dtype.name(),
-                    device
-                );
-            }
+            check_baseline(&v, &a, model.dtype.name())
+                .with_context(|| format!("{} does not match this run", p.display()))?;
             Some(v)
         }
     };
-    let rows = bench::bench(&model, &backends, &a.batch, opts)?;
+    let paths: Vec<BuiltinPath> = a
+        .attention
+        .iter()
+        .flat_map(|&attention| backends.iter().map(move |&backend| BuiltinPath { backend, attention }))
+        .collect();
+    let rows = bench::bench(&model, &paths, &a.batch, opts)?;
     print!("{}", bench::render(&rows));
 
-    let mut tokens_differ = false;
-    if let Some(v) = &mlx_lm
-        && let Some(ours) = rows.iter().find(|r| r.batch == 1 && r.backend == Backend::Dense)
-    {
-        let theirs = |k: &str| v[k]["median"].as_f64().unwrap_or(f64::NAN);
-        let same = v["greedy_tokens"].as_array().map(|t| {
-            t.iter()
-                .filter_map(|x| x.as_u64())
-                .map(|x| x as u32)
-                .take(ours.tokens.len())
-                .eq(ours.tokens.iter().copied())
-        });
-        tokens_differ = same == Some(false);
-        println!(
-            "vs mlx-lm {} (B=1): decode {:.1} vs {:.1} tok/s (parity/mlx-lm {:.2}), prefill {:.1} vs {:.1} tok/s ({:.2}); greedy tokens {}",
-            v["mlx_lm_version"].as_str().unwrap_or("?"),
-            ours.decode_tps.median,
-            theirs("decode_tps"),
-            ours.decode_tps.median / theirs("decode_tps"),
-            ours.prefill_tps.median,
-            theirs("prefill_tps"),
-            ours.prefill_tps.median / theirs("prefill_tps"),
-            match same {
-                Some(true) => "identical",
-                Some(false) => "DIFFER",
-                None => "not compared",
-            }
-        );
-    }
+    let tokens_differ = match &mlx_lm {
+        Some(v) => compare_mlx_lm(v, &rows),
+        None => false,
+    };
     if let Some(p) = &a.json {
         let out = serde_json::json!({
             "checkpoint": dir.display().to_string(),
@@ -155,8 +122,109 @@ pub fn run(a: Args) -> Result<ExitCode> {
         std::fs::write(p, serde_json::to_string_pretty(&out)?).with_context(|| format!("writing {}", p.display()))?;
     }
     if tokens_differ {
-        eprintln!("error: parity and mlx-lm produced different greedy tokens for the same prompt");
+        eprintln!("error: parity and mlx-lm produced different greedy tokens for the same prompts");
         return Ok(ExitCode::from(super::EXIT_FAIL));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A baseline is comparable only if it measured the same computation: prompt and decode
+/// length, dtype, dequantization, device (a GPU baseline against a CPU run would compare
+/// machines, not engines) and, for every batch size benched here, the same ragged lengths.
+fn check_baseline(v: &serde_json::Value, a: &Args, dtype: &str) -> Result<()> {
+    let device = crate::runtime::device();
+    let dequantized = v["dequantized"].as_bool().unwrap_or(false);
+    if v["prompt_len"].as_u64() != Some(a.prompt_len as u64)
+        || v["decode"].as_u64() != Some(a.decode as u64)
+        || v["dtype"].as_str() != Some(dtype)
+        || dequantized != a.dequantize
+        || v["device"].as_str() != Some(device.as_str())
+    {
+        anyhow::bail!(
+            "measured with prompt_len {}, decode {}, dtype {}, dequantized {dequantized}, device {}; this run uses {}, {}, {dtype}, {}, {device}",
+            v["prompt_len"],
+            v["decode"],
+            v["dtype"],
+            v["device"],
+            a.prompt_len,
+            a.decode,
+            a.dequantize
+        );
+    }
+    for &b in &a.batch {
+        let theirs = batch_entry(v, b).ok_or_else(|| {
+            anyhow::anyhow!("it has no batch_generate run at batch {b} (ci/bench-mlx-lm --batch {b})")
+        })?;
+        let lengths: Vec<u64> = theirs["prompt_lengths"]
+            .as_array()
+            .map(|l| l.iter().filter_map(|x| x.as_u64()).collect())
+            .unwrap_or_default();
+        let ours: Vec<u64> = bench::ragged_lengths(a.prompt_len, b).into_iter().map(|x| x as u64).collect();
+        if lengths != ours {
+            anyhow::bail!("batch {b} was measured with prompt lengths {lengths:?}, this run uses {ours:?}");
+        }
+    }
+    Ok(())
+}
+
+fn batch_entry(v: &serde_json::Value, batch: usize) -> Option<&serde_json::Value> {
+    v["batch_generate"].as_array()?.iter().find(|e| e["batch"].as_u64() == Some(batch as u64))
+}
+
+fn tokens_of(v: &serde_json::Value) -> Option<Vec<u32>> {
+    v.as_array().map(|t| t.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
+}
+
+/// Print parity against mlx-lm for every batch size; true when greedy tokens differ.
+fn compare_mlx_lm(v: &serde_json::Value, rows: &[BenchRow]) -> bool {
+    let version = v["mlx_lm_version"].as_str().unwrap_or("?");
+    let median = |x: &serde_json::Value| x["median"].as_f64().unwrap_or(f64::NAN);
+    let mut differ = false;
+    let mut batches: Vec<usize> = rows.iter().map(|r| r.batch).collect();
+    batches.dedup();
+    for b in batches {
+        let ours: Vec<&BenchRow> = rows.iter().filter(|r| r.batch == b).collect();
+        let Some(theirs) = batch_entry(v, b) else { continue };
+        let their_rows: Option<Vec<Vec<u32>>> =
+            theirs["greedy_tokens"].as_array().map(|rs| rs.iter().filter_map(tokens_of).collect());
+        let (decode, prefill) = (median(&theirs["decode_tps"]), median(&theirs["prefill_tps"]));
+        let mut line =
+            format!("vs mlx-lm {version} batch_generate B={b}: decode {decode:.1} tok/s, prefill {prefill:.1} tok/s;");
+        for r in &ours {
+            line += &format!(" {} {:.2}/{:.2}", r.path, r.decode_tps.median / decode, r.prefill_tps.median / prefill);
+        }
+        let same = their_rows.as_ref().map(|t| ours.iter().all(|r| &r.tokens == t));
+        differ |= same == Some(false);
+        line += &format!(" (parity/mlx-lm decode/prefill); greedy tokens {}", verdict(same));
+        println!("{line}");
+        if b == 1 {
+            // mlx-lm's single-sequence generator, pipelined as parity's bench decode is; its
+            // synchronous loop (the reference-check script) must give the same tokens.
+            let Some(ours) = ours.iter().find(|r| r.backend == Backend::Dense) else { continue };
+            let step = &v["generate_step"];
+            let decode = median(&step["decode_tps"]);
+            let checks: Vec<bool> = [tokens_of(&step["greedy_tokens"]), tokens_of(&v["greedy_tokens"])]
+                .into_iter()
+                .flatten()
+                .map(|t| ours.tokens.first() == Some(&t))
+                .collect();
+            let same = (!checks.is_empty()).then(|| checks.iter().all(|&x| x));
+            differ |= same == Some(false);
+            println!(
+                "vs mlx-lm {version} generate_step (B=1): decode {:.1} vs {decode:.1} tok/s (parity/mlx-lm {:.2}); greedy tokens {} (generate_step and its synchronous loop)",
+                ours.decode_tps.median,
+                ours.decode_tps.median / decode,
+                verdict(same)
+            );
+        }
+    }
+    differ
+}
+
+fn verdict(same: Option<bool>) -> &'static str {
+    match same {
+        Some(true) => "identical",
+        Some(false) => "DIFFER",
+        None => "not compared",
+    }
 }

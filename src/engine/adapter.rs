@@ -7,12 +7,12 @@ use std::io::{BufRead, Write};
 
 use serde_json::{Value, json};
 
-use super::builtin::{Builtin, BuiltinSession};
+use super::builtin::{Builtin, BuiltinPath, BuiltinSession};
 use super::protocol::{Envelope, Request, VERSION, WireLogits, WireStats};
 use super::{EnginePath, Session, ShareMode, host_f32};
 use crate::error::{Error, Result};
 use crate::faults::{Fault, Faults};
-use crate::kv::{Backend, KvCache, SeqId};
+use crate::kv::{KvCache, SeqId};
 use crate::model::{Model, RowStep};
 
 /// What the adapter holds after `hello`: the path and the KV store of the current case.
@@ -26,7 +26,7 @@ struct Served<'m> {
 
 /// Serve requests from `input` until `shutdown` or end of input. Protocol errors are replies;
 /// only an I/O error on `output` ends the loop with an error.
-pub fn serve(model: &Model, backend: Backend, input: impl BufRead, mut output: impl Write) -> Result<()> {
+pub fn serve(model: &Model, path: BuiltinPath, input: impl BufRead, mut output: impl Write) -> Result<()> {
     let mut served: Option<Served> = None;
     for line in input.lines() {
         let line = line.map_err(|e| Error::Invalid(format!("reading stdin: {e}")))?;
@@ -36,7 +36,7 @@ pub fn serve(model: &Model, backend: Backend, input: impl BufRead, mut output: i
         let (id, result, stop) = match serde_json::from_str::<Envelope>(&line) {
             Ok(env) => {
                 let stop = env.request == Request::Shutdown;
-                (json!(env.id), handle(model, backend, &mut served, env.request), stop)
+                (json!(env.id), handle(model, path, &mut served, env.request), stop)
             }
             Err(e) => {
                 // Echo the id when the line has one, so the client can match the error.
@@ -62,12 +62,12 @@ pub fn serve(model: &Model, backend: Backend, input: impl BufRead, mut output: i
     Ok(())
 }
 
-fn handle<'m>(model: &'m Model, backend: Backend, served: &mut Option<Served<'m>>, request: Request) -> Result<Value> {
+fn handle<'m>(model: &'m Model, path: BuiltinPath, served: &mut Option<Served<'m>>, request: Request) -> Result<Value> {
     if let Request::Hello { protocol, settings, .. } = &request {
         if *protocol != VERSION {
             return Err(Error::Invalid(format!("protocol {protocol} requested; this adapter speaks {VERSION}")));
         }
-        let path = Builtin::new(model, backend, settings);
+        let path = Builtin::new(model, path, settings);
         let info = path.info().clone();
         let kv = path.kv(Faults::NONE)?;
         *served = Some(Served { path, kv, faults: Faults::NONE, live: 0 });
@@ -98,7 +98,7 @@ fn handle<'m>(model: &'m Model, backend: Backend, served: &mut Option<Served<'m>
         s.live = 0;
         return Ok(json!({}));
     }
-    let mut session = BuiltinSession::new(model, s.kv.as_mut(), s.faults);
+    let mut session = BuiltinSession::new(model, s.kv.as_mut(), s.faults, s.path.path().attention);
     Ok(match request {
         // Answered above; an arm here keeps the match total without a panic path.
         Request::Hello { .. } | Request::Reset { .. } => json!({}),

@@ -234,17 +234,17 @@ pub fn open<'m>(
 ) -> Result<Box<dyn EnginePath + 'm>> {
     use crate::suite::{EngineSpec, ReferenceSpec};
     let (engine, settings) = (&spec.engine, &spec.settings);
-    let builtin = |backend: crate::kv::Backend| -> Result<Box<dyn EnginePath + 'm>> {
+    let builtin = |path: builtin::BuiltinPath| -> Result<Box<dyn EnginePath + 'm>> {
         let model =
             model.ok_or_else(|| crate::Error::Invalid("the builtin runtime's weights were not loaded".into()))?;
-        Ok(Box::new(builtin::Builtin::new(model, backend, settings)))
+        Ok(Box::new(builtin::Builtin::new(model, path, settings)))
     };
     let target = match name {
         Some(n) => ReferenceSpec::Path(n.to_string()),
         None => engine.reference(),
     };
     match (engine, target) {
-        (_, ReferenceSpec::Builtin(backend)) => builtin(backend),
+        (_, ReferenceSpec::Builtin(path)) => builtin(path),
         (EngineSpec::Builtin, ReferenceSpec::Path(n)) => builtin(n.parse().map_err(crate::Error::Invalid)?),
         (EngineSpec::Process(p), ReferenceSpec::Path(n)) => {
             let dtype = spec.dtype.resolve().map_or("native", |d| d.name());

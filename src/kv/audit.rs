@@ -153,7 +153,7 @@ mod tests {
 
     fn pool(faults: Faults) -> PagedBlockPool {
         let shape = KvShape { layers: 1, kv_heads: 1, head_dim: 2, dtype: DtypeName::Float32 };
-        let opts = PoolOptions { block_size: 4, slab_blocks: 2, max_blocks: None, poison: false };
+        let opts = PoolOptions { block_size: 4, initial_blocks: 2, max_blocks: None, poison: false };
         PagedBlockPool::new(shape, opts, faults).expect("pool")
     }
 

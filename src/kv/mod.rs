@@ -8,6 +8,7 @@
 pub mod audit;
 pub mod dense;
 pub mod paged;
+pub(crate) mod store;
 
 use std::collections::BTreeMap;
 
@@ -91,6 +92,14 @@ pub trait KvCache {
     /// The visible K/V of one layer, contiguous: `[1, n_kv_heads, len, head_dim]` each.
     fn read(&self, layer: usize, seq: SeqId) -> Result<(Array, Array)>;
 
+    /// Write K/V (`[B, n_kv_heads, T, head_dim]`) of one layer for a batch in one operation:
+    /// row b goes to rows `starts[b]..starts[b] + T` of `seqs[b]` (reserved beforehand).
+    fn write_batch(&mut self, layer: usize, seqs: &[SeqId], starts: &[usize], k: &Array, v: &Array) -> Result<()>;
+
+    /// The visible K/V of one layer for a batch, in one read (a view or one gather, never a
+    /// copy per row). See [`BatchKv`] for the layout.
+    fn read_batch(&self, layer: usize, seqs: &[SeqId]) -> Result<BatchKv>;
+
     /// Drop the newest `n` rows and move the counter back; returns the number dropped, which is
     /// `n` or an error: a trim never silently does less (the trim no-op bug).
     fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize>;
@@ -111,6 +120,46 @@ pub trait KvCache {
     fn audit(&self) -> Result<()> {
         Ok(())
     }
+}
+
+/// One layer's K/V for a batch of sequences, as [`KvCache::read_batch`] returns it.
+pub struct BatchKv {
+    /// `[B, n_kv_heads, W, head_dim]`, W the longest visible length: row b's rows sit at columns
+    /// `0..visible[b]`. Columns past that are finite filler (never poison: attention weights of
+    /// zero times NaN would still be NaN), which attention must mask.
+    pub keys: Array,
+    pub values: Array,
+    /// Rows of each sequence the backend shows; attention masks everything past them.
+    pub visible: Vec<usize>,
+}
+
+/// Shape check for [`KvCache::write_batch`]: K/V `[B, H, T, D]` with one start per sequence.
+/// Returns T.
+pub(crate) fn check_batch_shape(
+    k: &Array,
+    v: &Array,
+    seqs: &[SeqId],
+    starts: &[usize],
+    heads: usize,
+    head_dim: usize,
+) -> Result<usize> {
+    let ks = k.shape();
+    let b = seqs.len();
+    if ks.len() != 4
+        || ks[0] as usize != b
+        || starts.len() != b
+        || ks[1] as usize != heads
+        || ks[3] as usize != head_dim
+        || v.shape() != ks
+    {
+        return Err(crate::Error::Kv(format!(
+            "batched K/V of shape {:?}/{:?} for {b} sequences and {} starts, expected [{b}, {heads}, T, {head_dim}]",
+            ks,
+            v.shape(),
+            starts.len()
+        )));
+    }
+    Ok(ks[2] as usize)
 }
 
 /// K/V `[1, H, n, D]` shape check shared by both backends.

@@ -85,6 +85,77 @@ impl Linear {
             Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
         }
     }
+
+    /// Output features (rows of the weight, packed or not).
+    fn outputs(&self) -> i32 {
+        match self {
+            Linear::Dense { weight, .. } | Linear::Quantized { weight, .. } => weight.shape()[0],
+        }
+    }
+}
+
+/// Projections of one input computed together: their weights stacked on the output axis, so a
+/// step runs one matmul where it would run several (each BLAS call has its own threading cost,
+/// and a decode step is made of small calls), then the result is split. Every output is the
+/// same dot product over the same weights as in its own projection. Quantized parts with
+/// different bits or group sizes cannot share a matmul and stay separate.
+pub enum Stacked {
+    One { linear: Linear, split_at: Vec<i32> },
+    Many(Vec<Linear>),
+}
+
+impl Stacked {
+    pub fn new(parts: Vec<Linear>) -> Result<Self> {
+        let mut split_at: Vec<i32> = Vec::with_capacity(parts.len());
+        for p in &parts[..parts.len().saturating_sub(1)] {
+            split_at.push(split_at.last().copied().unwrap_or(0) + p.outputs());
+        }
+        let stack = |xs: Vec<&Array>| -> Result<Array> {
+            let a = mlx_rs::ops::concatenate(&xs, 0)?;
+            // Materialise now: the cost belongs to loading, and the parts are freed.
+            a.eval()?;
+            Ok(a)
+        };
+        let bias = match parts.iter().map(Linear::bias).collect::<Option<Vec<_>>>() {
+            Some(biases) => Some(stack(biases)?),
+            None if parts.iter().any(|p| p.bias().is_some()) => return Ok(Stacked::Many(parts)),
+            None => None,
+        };
+        let dense: Option<Vec<&Array>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Dense { weight, .. } => Some(weight),
+                Linear::Quantized { .. } => None,
+            })
+            .collect();
+        let quantized: Option<Vec<_>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Quantized { weight, scales, biases, spec, .. } => Some((weight, scales, biases, *spec)),
+                Linear::Dense { .. } => None,
+            })
+            .collect();
+        let linear = match (dense, quantized) {
+            (Some(weights), _) => Linear::Dense { weight: stack(weights)?, bias },
+            (None, Some(q)) if q.iter().all(|x| x.3 == q[0].3) => Linear::Quantized {
+                weight: stack(q.iter().map(|x| x.0).collect())?,
+                scales: stack(q.iter().map(|x| x.1).collect())?,
+                biases: stack(q.iter().map(|x| x.2).collect())?,
+                bias,
+                spec: q[0].3,
+            },
+            _ => return Ok(Stacked::Many(parts)),
+        };
+        Ok(Stacked::One { linear, split_at })
+    }
+
+    /// Each projection of `x`, in the order given to [`Stacked::new`].
+    pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
+        match self {
+            Stacked::One { linear, split_at } => Ok(linear.forward(x)?.split_at_indices(split_at, -1)?),
+            Stacked::Many(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+        }
+    }
 }
 
 /// A module is quantized when the config says so and its `scales` are present; a config that
@@ -141,6 +212,15 @@ impl Embedding {
         match quantized_spec(w, quant, path) {
             Some(spec) => {
                 let (weight, scales, biases) = load_packed(w, path, hidden, vocab, spec, opts)?;
+                if opts.dequantize {
+                    // The embedding too: tied, it is also the output projection, the largest
+                    // matmul of a decode step, and MLX's CPU quantized matmul is single-threaded
+                    // (mlx-lm's dequantize_model converts it as well).
+                    let weight =
+                        mlx_rs::ops::dequantize(&weight, &scales, &biases, spec.group_size as i32, spec.bits as i32)?;
+                    weight.eval()?;
+                    return Ok(Embedding::Dense { weight });
+                }
                 Ok(Embedding::Quantized { weight, scales, biases, spec })
             }
             None => Ok(Embedding::Dense {
@@ -186,10 +266,9 @@ impl RmsNorm {
     }
 }
 
-/// SwiGLU: `down(silu(gate(x)) * up(x))`.
+/// SwiGLU: `down(silu(gate(x)) * up(x))`, gate and up in one matmul.
 pub struct Mlp {
-    gate: Linear,
-    up: Linear,
+    gate_up: Stacked,
     down: Linear,
 }
 
@@ -203,17 +282,21 @@ impl Mlp {
         bias: bool,
         opts: &LoadOptions,
     ) -> Result<Self> {
+        let gate = Linear::load(w, quant, &format!("{path}.gate_proj"), hidden, intermediate, bias, opts)?;
+        let up = Linear::load(w, quant, &format!("{path}.up_proj"), hidden, intermediate, bias, opts)?;
         Ok(Mlp {
-            gate: Linear::load(w, quant, &format!("{path}.gate_proj"), hidden, intermediate, bias, opts)?,
-            up: Linear::load(w, quant, &format!("{path}.up_proj"), hidden, intermediate, bias, opts)?,
+            gate_up: Stacked::new(vec![gate, up])?,
             down: Linear::load(w, quant, &format!("{path}.down_proj"), intermediate, hidden, bias, opts)?,
         })
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let g = self.gate.forward(x)?;
-        let act = mlx_rs::nn::silu(&g)?;
-        let h = act.multiply(self.up.forward(x)?)?;
+        let [g, u]: [Array; 2] = self
+            .gate_up
+            .forward(x)?
+            .try_into()
+            .map_err(|_| crate::Error::Invalid("gate/up projection did not split in two".into()))?;
+        let h = mlx_rs::nn::silu(&g)?.multiply(&u)?;
         self.down.forward(&h)
     }
 }

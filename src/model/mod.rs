@@ -1,6 +1,7 @@
 //! The model runtime: a decoder-only transformer whose only view of KV storage is
 //! [`KvCache`]. One forward serves prefill, chunked prefill, padded prefill and batched
-//! decode; nothing here asks which backend it runs on.
+//! decode; nothing here asks which backend it runs on. Attention runs batched (the default) or
+//! row by row ([`AttentionMode`]), a comparison of its own.
 
 pub mod attention;
 pub mod layers;
@@ -18,7 +19,8 @@ use crate::error::{Error, Result};
 use crate::faults::Faults;
 use crate::kv::{KvCache, KvShape, SeqId};
 
-pub use attention::Attention;
+use attention::StepContext;
+pub use attention::{Attention, AttentionMode};
 pub use layers::{Embedding, Linear, LoadOptions, Mlp, RmsNorm};
 use rope::Rope;
 
@@ -153,11 +155,17 @@ impl Model {
         self.lm_head.is_none()
     }
 
+    /// Run one step for `rows` with batched attention (see [`Model::forward_mode`]). The mode
+    /// is the caller's (a builtin path's), not the model's: one loaded model serves every path.
+    pub fn forward(&self, kv: &mut dyn KvCache, rows: &[RowStep]) -> Result<Array> {
+        self.forward_mode(kv, rows, AttentionMode::Batched)
+    }
+
     /// Run one step for `rows` and return the logits `[B, vocab]` at each row's `logits_at`.
     ///
     /// Each row's K/V rows are reserved in `kv` first; the row's RoPE offset is derived from
     /// that reservation (the sequence's one counter), never tracked here.
-    pub fn forward(&self, kv: &mut dyn KvCache, rows: &[RowStep]) -> Result<Array> {
+    pub fn forward_mode(&self, kv: &mut dyn KvCache, rows: &[RowStep], mode: AttentionMode) -> Result<Array> {
         let t = rows.first().map(|r| r.tokens.len()).unwrap_or(0);
         if t == 0 || rows.iter().any(|r| r.tokens.len() != t) {
             return Err(Error::Invalid("every row of a step needs the same, non-zero number of tokens".into()));
@@ -168,32 +176,67 @@ impl Model {
                 self.config.vocab_size
             )));
         }
-        let ctx = self.config.max_position_embeddings;
-        let mut starts = Vec::with_capacity(rows.len());
-        for r in rows {
-            let len = kv.len(r.seq)?;
-            if len + t > ctx {
-                return Err(Error::ContextOverflow { held: len, adding: t, context: ctx });
-            }
-            starts.push(kv.reserve(r.seq, t)?);
+        if let Some(r) = rows.iter().find(|r| r.logits_at >= t) {
+            return Err(Error::Invalid(format!("logits_at {} is past the step's {t} tokens", r.logits_at)));
         }
+        let seqs: Vec<SeqId> = rows.iter().map(|r| r.seq).collect();
         let b = rows.len() as i32;
         let ids: Vec<i32> = rows.iter().flat_map(|r| r.tokens.iter().map(|&x| x as i32)).collect();
         let ids = Array::from_slice(&ids, &[b, t as i32]);
+        let pick = (t > 1).then(|| rows.iter().map(|r| r.logits_at as i32).collect::<Vec<_>>());
+        self.step(kv, seqs, ids, pick, mode)
+    }
+
+    /// One decode step (one token per sequence) whose tokens are a device array `[B]`, typically
+    /// the previous step's argmax: a caller can queue this step before the previous one has
+    /// finished, so the host never waits between steps (as mlx-lm's generators pipeline). The
+    /// ids are trusted to be in the vocabulary, as an argmax over the logits always is.
+    pub fn decode_next(&self, kv: &mut dyn KvCache, seqs: &[SeqId], ids: &Array, mode: AttentionMode) -> Result<Array> {
+        if ids.shape() != [seqs.len() as i32] {
+            return Err(Error::Invalid(format!("{} sequences but token ids of shape {:?}", seqs.len(), ids.shape())));
+        }
+        self.step(kv, seqs.to_vec(), ids.reshape(&[seqs.len() as i32, 1])?, None, mode)
+    }
+
+    /// The forward pass over `ids` (`[B, T]`) appended to `seqs`; logits at `pick[b]` of each
+    /// row (`None`: the only position, T = 1).
+    fn step(
+        &self,
+        kv: &mut dyn KvCache,
+        seqs: Vec<SeqId>,
+        ids: Array,
+        pick: Option<Vec<i32>>,
+        mode: AttentionMode,
+    ) -> Result<Array> {
+        if let Some(dup) = seqs.iter().enumerate().find_map(|(i, s)| seqs[..i].contains(s).then_some(s)) {
+            // Two rows of one sequence would reserve and write the same rows twice.
+            return Err(Error::Invalid(format!("sequence {} appears twice in one step", dup.0)));
+        }
+        let (b, t) = (ids.shape()[0], ids.shape()[1] as usize);
+        let ctx = self.config.max_position_embeddings;
+        let mut starts = Vec::with_capacity(seqs.len());
+        let mut masked = Vec::with_capacity(seqs.len());
+        for &seq in &seqs {
+            let len = kv.len(seq)?;
+            if len + t > ctx {
+                return Err(Error::ContextOverflow { held: len, adding: t, context: ctx });
+            }
+            masked.push(kv.masked_prefix(seq)?);
+            starts.push(kv.reserve(seq, t)?);
+        }
         let mut x = self.embed.forward(&ids)?;
-        let faults = self.faults.get();
-        let offsets = attention::rope_offsets(kv, rows, &starts, faults)?;
-        let ctx = attention::StepContext { rows, starts: &starts, offsets, rope: &self.rope, faults };
+        let step = StepContext::new(mode, seqs, starts, masked, t, &self.rope, self.faults.get());
         for (layer, block) in self.blocks.iter().enumerate() {
-            let h = block.attn.forward(&block.input_norm.forward(&x)?, layer, kv, &ctx)?;
+            let h = block.attn.forward(&block.input_norm.forward(&x)?, layer, kv, &step)?;
             x = x.add(&h)?;
             let h = block.mlp.forward(&block.post_norm.forward(&x)?)?;
             x = x.add(&h)?;
         }
         // Only the selected position of each row goes through the final norm and the head.
-        let pick: Vec<i32> = rows.iter().map(|r| r.logits_at as i32).collect();
-        let pick = Array::from_slice(&pick, &[b, 1, 1]);
-        let x = x.take_along_axis(&pick, 1)?.squeeze_axes(&[1])?;
+        let x = match pick {
+            None => x.squeeze_axes(&[1])?,
+            Some(pick) => x.take_along_axis(Array::from_slice(&pick, &[b, 1, 1]), 1)?.squeeze_axes(&[1])?,
+        };
         let x = self.norm.forward(&x)?;
         let logits = match &self.lm_head {
             Some(head) => head.forward(&x)?,

@@ -1,11 +1,12 @@
-//! Rotary position embedding, applied to one sequence at a time.
+//! Rotary position embedding.
 //!
 //! Regression guard (RoPE stride aliasing): a batched decode tensor `[B, H, 1, D]` must never
-//! be rotated with a single call and a uniform offset. MLX's rope treats axis -2 as the
-//! sequence axis; a "uniform offsets" fast path over the transposed `[B, 1, H, D]` layout once
-//! rotated row b at `offset + b`. [`Rope::apply`] takes a `[1, H, T, D]` row and the row's own
-//! offset; the model calls it per row. The planted fault `rope-batch-alias` reproduces the bug
-//! in [`Rope::apply_batch_aliased`].
+//! be rotated with a single scalar offset. MLX's rope treats axis -2 as the sequence axis; a
+//! "uniform offsets" fast path over the transposed `[B, 1, H, D]` layout once rotated row b at
+//! `offset + b`. Batched attention rotates the batch in one call with an array of per-row
+//! offsets ([`Rope::apply_batch`], MLX's rope with a `[B]` offset array: row b's position t is
+//! `offsets[b] + t`); row-by-row attention calls [`Rope::apply`] on one row at a time. The
+//! planted fault `rope-batch-alias` reproduces the bug in [`Rope::apply_batch_aliased`].
 
 use mlx_rs::Array;
 
@@ -54,6 +55,26 @@ impl Rope {
         Ok(mlx_rs::fast::rope(x, self.dims, self.traditional, self.base, self.scale, offset, self.freqs.as_ref())?)
     }
 
+    /// Rotate `x` (`[B, H, T, D]`) whose row b starts at `offsets[b]` (`[B]` int32), in one call.
+    pub fn apply_batch(&self, x: &Array, offsets: &Array) -> Result<Array> {
+        if offsets.shape() != [x.shape()[0]] {
+            return Err(Error::Invalid(format!(
+                "rope on a batch of {} rows with offsets of shape {:?}",
+                x.shape()[0],
+                offsets.shape()
+            )));
+        }
+        Ok(mlx_rs::fast::rope_dynamic(
+            x,
+            self.dims,
+            self.traditional,
+            self.base,
+            self.scale,
+            offsets,
+            self.freqs.as_ref(),
+        )?)
+    }
+
     /// Planted fault `rope-batch-alias`: the whole `[B, H, 1, D]` decode tensor rotated in one
     /// call with row 0's offset, the batch axis standing where rope expects the sequence axis
     /// (what the aliased strides did), so row b is rotated at `offset + b`.
@@ -98,6 +119,29 @@ fn llama3_periods(head_dim: usize, base: f32, factor: f32, low: f32, high: f32, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// MLX's rope with a `[B]` offset array rotates row b from `offsets[b]` (negative for left
+    /// pads), exactly as one call per row with that row's scalar offset.
+    #[test]
+    fn batch_offsets_rotate_each_row_from_its_own_offset() {
+        let json = r#"{"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2,
+            "intermediate_size": 32, "num_hidden_layers": 1, "vocab_size": 8, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 64, "rope_theta": 10000.0}"#;
+        let cfg = ModelConfig::parse(std::path::Path::new("config.json"), json).expect("config");
+        let rope = Rope::new(&cfg).unwrap();
+        let x = mlx_rs::random::normal::<f32>(&[3, 2, 4, 8], None, None, None).unwrap();
+        let offsets = [0, 5, -2];
+        let batch = rope.apply_batch(&x, &Array::from_slice(&offsets, &[3])).unwrap();
+        for (b, &off) in offsets.iter().enumerate() {
+            use mlx_rs::ops::indexing::IndexOp;
+            let b = b as i32;
+            let row = rope.apply(&x.index((b..b + 1, .., .., ..)), off).unwrap();
+            let diff = batch.index((b..b + 1, .., .., ..)).subtract(&row).unwrap().abs().unwrap().max(None).unwrap();
+            assert_eq!(diff.item_exact::<f32>(), 0.0, "row {b} at offset {off}");
+        }
+        let short = Array::from_slice(&[0, 1], &[2]);
+        assert!(rope.apply_batch(&x, &short).is_err(), "one offset per row");
+    }
 
     #[test]
     fn llama3_periods_keep_short_and_stretch_long_wavelengths() {

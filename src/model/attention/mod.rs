@@ -1,0 +1,152 @@
+//! Self-attention over a KV backend, in one of two modes that must agree:
+//!
+//! - [`AttentionMode::Batched`] (`batched.rs`, the default): one RoPE call with per-row offsets,
+//!   one cache write, one cache read and one attention call for all rows of a step, with a mask
+//!   for ragged lengths and masked left pads. This is the layout engines' fast paths use, and
+//!   where their batching bugs live.
+//! - [`AttentionMode::RowByRow`] (`rowwise.rs`): RoPE, the cache write, the cache read and the
+//!   attention per row, each with that row's own offset and its own visible keys. The simplest
+//!   correct form, kept as a reference to compare the batched mode against.
+//!
+//! Projections run batched over all rows in both modes.
+
+mod batched;
+mod rowwise;
+
+use mlx_rs::Array;
+
+use super::layers::{Linear, LoadOptions, RmsNorm, Stacked};
+use super::rope::Rope;
+use crate::checkpoint::{ModelConfig, WeightStore};
+use crate::error::Result;
+use crate::faults::Faults;
+use crate::kv::{KvCache, SeqId};
+
+/// How attention runs over the rows of a step (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AttentionMode {
+    #[default]
+    Batched,
+    RowByRow,
+}
+
+impl AttentionMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionMode::Batched => "batched",
+            AttentionMode::RowByRow => "row-by-row",
+        }
+    }
+}
+
+impl std::str::FromStr for AttentionMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "batched" => Ok(AttentionMode::Batched),
+            "row-by-row" | "rowwise" => Ok(AttentionMode::RowByRow),
+            other => Err(format!("unknown attention mode `{other}`; expected batched or row-by-row")),
+        }
+    }
+}
+
+pub struct Attention {
+    /// q, k and v projections in one matmul.
+    qkv: Stacked,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    scale: f32,
+}
+
+/// What every layer of one step shares.
+pub struct StepContext<'a> {
+    pub mode: AttentionMode,
+    pub seqs: Vec<SeqId>,
+    /// First KV row of each row's new tokens, as reserved in the cache.
+    pub starts: Vec<usize>,
+    /// Each row's masked (left-pad) prefix.
+    pub masked: Vec<usize>,
+    /// Each row's RoPE offset: its first new KV row minus its masked prefix. Derived from the
+    /// cache's counter on every step; there is no second copy to drift.
+    pub offsets: Vec<i32>,
+    pub rope: &'a Rope,
+    pub faults: Faults,
+    /// Batched mode's per-step state, built once for all layers.
+    batch: Option<batched::Step>,
+}
+
+impl<'a> StepContext<'a> {
+    pub fn new(
+        mode: AttentionMode,
+        seqs: Vec<SeqId>,
+        starts: Vec<usize>,
+        masked: Vec<usize>,
+        tokens: usize,
+        rope: &'a Rope,
+        faults: Faults,
+    ) -> Self {
+        let offsets: Vec<i32> = starts.iter().zip(&masked).map(|(&s, &m)| s as i32 - m as i32).collect();
+        let batch = (mode == AttentionMode::Batched).then(|| batched::Step::new(&offsets, tokens, faults));
+        StepContext { mode, seqs, starts, masked, offsets, rope, faults, batch }
+    }
+}
+
+impl Attention {
+    pub fn load(w: &mut WeightStore, c: &ModelConfig, path: &str, qk_norm: bool, opts: &LoadOptions) -> Result<Self> {
+        let q = c.quantization.as_ref();
+        let (h, kvh, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let bias = c.attention_bias;
+        let norm = |w: &mut WeightStore, name: &str| -> Result<Option<RmsNorm>> {
+            if qk_norm {
+                Ok(Some(RmsNorm::load(w, &format!("{path}.{name}"), d, c.rms_norm_eps, opts)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let q_proj = Linear::load(w, q, &format!("{path}.q_proj"), c.hidden_size, h * d, bias, opts)?;
+        let k_proj = Linear::load(w, q, &format!("{path}.k_proj"), c.hidden_size, kvh * d, bias, opts)?;
+        let v_proj = Linear::load(w, q, &format!("{path}.v_proj"), c.hidden_size, kvh * d, bias, opts)?;
+        Ok(Attention {
+            qkv: Stacked::new(vec![q_proj, k_proj, v_proj])?,
+            o_proj: Linear::load(w, q, &format!("{path}.o_proj"), h * d, c.hidden_size, bias, opts)?,
+            q_norm: norm(w, "q_norm")?,
+            k_norm: norm(w, "k_norm")?,
+            heads: h as i32,
+            kv_heads: kvh as i32,
+            head_dim: d as i32,
+            scale: (d as f32).powf(-0.5),
+        })
+    }
+
+    /// `x`: `[B, T, hidden]` (normed) -> `[B, T, hidden]`.
+    pub fn forward(&self, x: &Array, layer: usize, kv: &mut dyn KvCache, ctx: &StepContext) -> Result<Array> {
+        let (b, t) = (x.shape()[0], x.shape()[1]);
+        let split = |y: Array, heads: i32, norm: &Option<RmsNorm>| -> Result<Array> {
+            let y = y.reshape(&[b, t, heads, self.head_dim])?;
+            let y = match norm {
+                Some(n) => n.forward(&y)?,
+                None => y,
+            };
+            Ok(y.transpose_axes(&[0, 2, 1, 3])?) // [B, heads, T, D]
+        };
+        let [q, k, v]: [Array; 3] = self
+            .qkv
+            .forward(x)?
+            .try_into()
+            .map_err(|_| crate::Error::Invalid("q/k/v projection did not split in three".into()))?;
+        let q = split(q, self.heads, &self.q_norm)?;
+        let k = split(k, self.kv_heads, &self.k_norm)?;
+        let v = split(v, self.kv_heads, &None)?;
+        let out = match &ctx.batch {
+            Some(step) => batched::attend(step, self.scale, q, k, v, layer, kv, ctx)?,
+            None => rowwise::attend(self.scale, q, k, v, layer, kv, ctx)?,
+        }; // [B, H, T, D]
+        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, t, self.heads * self.head_dim])?;
+        self.o_proj.forward(&out)
+    }
+}

@@ -1,0 +1,69 @@
+//! Row-by-row attention: RoPE, the cache write, the cache read and the attention run per row,
+//! each with the row's own offset and its own visible keys. Nothing here can alias one row's
+//! position onto another's; it is the reference the batched mode is compared with.
+
+use mlx_rs::Array;
+use mlx_rs::fast::ScaledDotProductAttentionMask;
+use mlx_rs::ops::indexing::IndexOp;
+
+use super::StepContext;
+use crate::error::Result;
+use crate::faults::Fault;
+use crate::kv::KvCache;
+
+/// `q`: `[B, H, T, D]`, `k`/`v`: `[B, kv_heads, T, D]` -> `[B, H, T, D]`.
+pub fn attend(
+    scale: f32,
+    q: Array,
+    k: Array,
+    v: Array,
+    layer: usize,
+    kv: &mut dyn KvCache,
+    ctx: &StepContext,
+) -> Result<Array> {
+    let (b, t) = (q.shape()[0], q.shape()[2]);
+    // Every row writes before any row reads: a read between two writes would keep the first
+    // write's version of the store alive, so the second write could not update it in place.
+    let mut queries = Vec::with_capacity(b as usize);
+    for (i, &seq) in ctx.seqs.iter().enumerate() {
+        let r = i as i32;
+        // One row needs no slicing (B = 1 is the hot path of single-sequence decode).
+        let row_of = |x: &Array| if b == 1 { x.clone() } else { x.index((r..r + 1, .., .., ..)) };
+        let qr = ctx.rope.apply(&row_of(&q), ctx.offsets[i])?;
+        let kr = ctx.rope.apply(&row_of(&k), ctx.offsets[i])?;
+        kv.write(layer, seq, ctx.starts[i], &kr, &row_of(&v))?;
+        queries.push(qr);
+    }
+    let mut outs = Vec::with_capacity(b as usize);
+    for (i, (&seq, qr)) in ctx.seqs.iter().zip(&queries).enumerate() {
+        let (keys, values) = kv.read(layer, seq)?;
+        let masked = ctx.masked[i];
+        // Only left-padded rows need an explicit mask; its width is the keys actually read.
+        let out = if masked > 0 && !ctx.faults.has(Fault::PadUnmasked) {
+            let mask = prefix_mask(ctx.starts[i], t as usize, keys.shape()[2] as usize, masked);
+            mlx_rs::fast::scaled_dot_product_attention(qr, &keys, &values, scale, &mask, None)?
+        } else if t > 1 {
+            // Causal, aligned to the bottom right: query j sits at row start + j.
+            let causal = ScaledDotProductAttentionMask::Causal;
+            mlx_rs::fast::scaled_dot_product_attention(qr, &keys, &values, scale, causal, None)?
+        } else {
+            mlx_rs::fast::scaled_dot_product_attention(qr, &keys, &values, scale, None, None)?
+        };
+        outs.push(out);
+    }
+    Ok(if outs.len() == 1 { outs.swap_remove(0) } else { mlx_rs::ops::concatenate(&outs, 0)? })
+}
+
+/// Causal mask `[T, L]` that also hides the first `masked` key rows from every real query.
+/// Pad queries (inside the masked prefix) attend causally among themselves so that their
+/// softmax is defined; their outputs are never used.
+fn prefix_mask(start: usize, t: usize, keys: usize, masked: usize) -> Array {
+    let mut m = Vec::with_capacity(t * keys);
+    for j in 0..t {
+        let qpos = start + j;
+        for kpos in 0..keys {
+            m.push(kpos <= qpos && (kpos >= masked || qpos < masked));
+        }
+    }
+    Array::from_slice(&m, &[t as i32, keys as i32])
+}
