@@ -1,7 +1,9 @@
 //! The result of a suite run, and its renderings: JSON (full precision, the machine report),
 //! insta snapshots (stable, for review), JUnit, Markdown and a terminal table.
 
+pub mod chart;
 pub mod diff;
+pub mod html;
 pub mod junit;
 pub mod markdown;
 pub mod merge;
@@ -123,6 +125,16 @@ pub struct Row {
     pub max_kl: Option<f32>,
     /// Per step, worst over paths; `null` for NaN.
     pub step_rel_rms: Vec<Option<f32>>,
+    /// Per step, KL(reference || path) in nats, worst over paths; `null` for NaN.
+    #[serde(default)]
+    pub step_kl: Vec<Option<f32>>,
+    /// Per step, where the worst path was in the cache layout (for the HTML report's guides:
+    /// block and tile boundaries, trims and rewinds).
+    #[serde(default)]
+    pub step_layout: Vec<StepPlace>,
+    /// Rows per KV block of the path (none: not a paged path).
+    #[serde(default)]
+    pub block_size: Option<usize>,
     pub noise_floor_rel_rms: Option<f32>,
     /// A NaN reached the logits (a poisoned row was read).
     pub nan: bool,
@@ -150,6 +162,17 @@ impl Row {
 /// A row's id from its parts, for selecting rows before they exist.
 pub fn row_id(checkpoint: &str, prompt: &str, scenario: &str, case: &str, path: &str) -> String {
     format!("{checkpoint}/{prompt}/{scenario}:{case}/{path}")
+}
+
+/// Where one step of a path sat in the cache layout.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct StepPlace {
+    /// KV row of the token fed at that step.
+    pub kv_row: usize,
+    /// Its RoPE position.
+    pub position: usize,
+    /// Pad rows trimmed before that step.
+    pub pads_trimmed: usize,
 }
 
 /// Where a path first chose differently from its reference, in layout terms.
