@@ -116,7 +116,7 @@ fn merge_writes_html_and_unwritable_html_paths_fail_before_any_work() {
     args.extend(["--json", &json, "--html", &html]);
     let o = parity(&args);
     assert_eq!(code(&o), 0, "{}", text(&o));
-    let o = parity(&["merge", &path("r.json"), "--html", &path("merged.html")]);
+    let o = parity(&["merge", &json, "--html", &path("merged.html")]);
     assert_eq!(code(&o), 0, "{}", text(&o));
     let (run, merged) =
         (std::fs::read_to_string(path("run.html")).unwrap(), std::fs::read_to_string(path("merged.html")).unwrap());
@@ -128,7 +128,50 @@ fn merge_writes_html_and_unwritable_html_paths_fail_before_any_work() {
     assert_eq!(code(&o), 2, "a directory is not a report file: {}", text(&o));
     assert!(text(&o).contains("--html"), "{}", text(&o));
     assert!(!text(&o).contains("rows:"), "nothing ran: {}", text(&o));
-    let o = parity(&["merge", &path("r.json"), "--html", "/proc/nope/x.html"]);
-    assert_eq!(code(&o), 2, "{}", text(&o));
-    assert!(text(&o).contains("--html /proc/nope/x.html"), "{}", text(&o));
+    for cmd in [vec!["merge", &json], vec!["selftest"]] {
+        let o = parity(&[cmd.as_slice(), &["--html", "/proc/nope/x.html"]].concat());
+        assert_eq!(code(&o), 2, "{cmd:?}: {}", text(&o));
+        assert!(text(&o).contains("--html /proc/nope/x.html"), "{cmd:?}: {}", text(&o));
+        assert!(!text(&o).contains("caught"), "{cmd:?}: nothing ran: {}", text(&o));
+    }
+}
+
+/// A headless browser, when the machine has one (Debian: `apt-get install chromium`).
+fn chromium() -> Option<String> {
+    let candidates = ["chromium", "chromium-browser", "google-chrome"];
+    std::env::var("PARITY_CHROMIUM")
+        .ok()
+        .into_iter()
+        .chain(candidates.iter().map(|s| s.to_string()))
+        .find(|c| std::process::Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
+}
+
+/// The failing report loads in a real browser without a console message, and its DOM has the
+/// curves (the SVG parsed as SVG, not as text).
+#[test]
+fn a_browser_loads_the_report_without_console_messages() {
+    let Some(browser) = chromium() else {
+        eprintln!("skipped: no chromium on this machine (apt-get install chromium, or set PARITY_CHROMIUM)");
+        return;
+    };
+    let dir = common::scratch("html-browser");
+    let html = dir.join("r.html");
+    let mut args: Vec<&str> =
+        "run suites/fixtures.toml --fault gather-off-by-one --filter llama-tiny/tile-1/".split(' ').collect();
+    args.extend(["--html", html.to_str().unwrap()]);
+    assert_eq!(code(&parity(&args)), 1);
+    let url = format!("file://{}", html.canonicalize().unwrap().display());
+    let o = std::process::Command::new(&browser)
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0", "--dump-dom", &url])
+        .env("HOME", &dir)
+        .output()
+        .expect("run chromium");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let console: Vec<&str> = stderr.lines().filter(|l| l.contains(":CONSOLE")).collect();
+    assert!(console.is_empty(), "console messages: {console:?}");
+    let dom = String::from_utf8_lossy(&o.stdout);
+    let source = std::fs::read_to_string(&html).unwrap();
+    assert_eq!(dom.matches("<svg").count(), source.matches("<svg").count(), "every curve is in the DOM");
+    assert!(dom.contains("data-step="), "the divergence marker is in the DOM");
 }
