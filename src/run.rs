@@ -601,11 +601,13 @@ fn case_row(
     row.max_kl = finite(max_kl);
     row.step_rel_rms = step_rms.into_iter().map(finite).collect();
     row.step_kl = step_kl.into_iter().map(finite).collect();
-    row.step_layout = c.paths[w]
-        .layout
-        .iter()
-        .map(|l| StepPlace { kv_row: l.kv_row, position: l.position, pads_trimmed: l.pads_trimmed })
-        .collect();
+    row.step_layout = StepPlace::runs(c.paths[w].layout.iter().map(|l| StepPlace {
+        step: 0,
+        kv_row: l.kv_row,
+        position: l.position,
+        pads_trimmed: l.pads_trimmed,
+        rolled_back: l.rolled_back,
+    }));
     row.block_size = path.capabilities.block_size.filter(|&bs| bs > 0);
     row.first_divergence = cmp.first_divergence.as_ref().map(|d| {
         let blocks = path.capabilities.block_size.filter(|&bs| bs > 0);

@@ -132,7 +132,9 @@ fn report() -> Report {
     bad.notes = vec!["padded 37 -> 64, trimmed 27".into()];
     bad.step_rel_rms = vec![Some(0.0), Some(4.1e-2), None, Some(2.5e-2)];
     bad.step_kl = vec![Some(0.0), Some(2.5e-1), None, Some(1.0e-1)];
-    bad.step_layout = (0..4).map(|k| StepPlace { kv_row: 63 + k, position: 36 + k, pads_trimmed: 27 }).collect();
+    let place = |k: usize| StepPlace { step: 0, kv_row: 63 + k, position: 36 + k, pads_trimmed: 27, rolled_back: 0 };
+    bad.step_layout = StepPlace::runs((0..4).map(place));
+    assert_eq!(bad.step_layout.len(), 1, "one run");
     bad.block_size = Some(16);
     rows.push(bad);
 

@@ -38,14 +38,15 @@ impl Guide {
     }
 }
 
-/// Guides per step, from the recorded layout. Step 0 is fed the last prompt token: a boundary
+/// Guides per step, from the recorded layout (one place per step, see [`StepPlace::expand`]).
+/// Step 0 is fed the last prompt token: a boundary
 /// there is still a boundary; a trim there means pads were trimmed after prefill.
 pub fn guides(layout: &[StepPlace], block_size: Option<usize>, tile: usize) -> Vec<(usize, Guide)> {
     let mut out = Vec::new();
     for (k, p) in layout.iter().enumerate() {
         let prev = k.checked_sub(1).map(|j| layout[j]);
         let moved = match prev {
-            Some(q) => p.pads_trimmed != q.pads_trimmed || p.kv_row != q.kv_row + 1,
+            Some(q) => p.pads_trimmed != q.pads_trimmed || p.rolled_back != q.rolled_back || p.kv_row != q.kv_row + 1,
             None => p.pads_trimmed > 0,
         };
         if moved {
@@ -161,12 +162,13 @@ impl Chart<'_> {
             let _ = write!(s, r#"<text class="ty" x="{x1}" y="{}">step</text>"#, N(h - 3.0));
         }
         // Layout guides: each with its tooltip on the full chart, one path per kind on a small one.
-        let guides = guides(&row.step_layout, row.block_size, self.tile);
+        let places = StepPlace::expand(&row.step_layout, row.step_rel_rms.len());
+        let guides = guides(&places, row.block_size, self.tile);
         for kind in [Guide::Trim, Guide::Block, Guide::Tile] {
             let mut d = String::new();
             for &(k, g) in guides.iter().filter(|(_, g)| *g == kind) {
                 if full {
-                    let p = row.step_layout[k];
+                    let p = places[k];
                     let _ = write!(
                         s,
                         r#"<path class="guide {}" d="M{} {y0}V{y1}"><title>step {k}: {} (kv row {}, position {})</title></path>"#,
@@ -219,7 +221,7 @@ impl Chart<'_> {
         // Points with their tooltips on the full chart; the small multiples mark only NaN steps
         // (a hover there would cost more bytes than the curve).
         for (k, v) in row.step_rel_rms.iter().enumerate() {
-            let tip = || super::html::esc(&tooltip(row, k));
+            let tip = || super::html::esc(&tooltip(row, places.get(k), k));
             match (v, full) {
                 (Some(v), true) => {
                     let over = tol.is_some_and(|t| *v > t);
@@ -273,7 +275,7 @@ fn summary(row: &Row) -> String {
     t
 }
 
-fn tooltip(row: &Row, k: usize) -> String {
+fn tooltip(row: &Row, place: Option<&StepPlace>, k: usize) -> String {
     let mut t = format!("step {k}: rel RMS ");
     match row.step_rel_rms.get(k).copied().flatten() {
         Some(v) => {
@@ -288,10 +290,13 @@ fn tooltip(row: &Row, k: usize) -> String {
         Some(None) => t.push_str(", KL NaN"),
         None => {}
     }
-    if let Some(p) = row.step_layout.get(k) {
+    if let Some(p) = place {
         let _ = write!(t, "; position {}, kv row {}", p.position, p.kv_row);
         if p.pads_trimmed > 0 {
             let _ = write!(t, ", {} pads trimmed", p.pads_trimmed);
+        }
+        if p.rolled_back > 0 {
+            let _ = write!(t, ", {} rows rolled back", p.rolled_back);
         }
     }
     if let (Some(a), Some(b)) = (row.reference_tokens.get(k), row.tokens.get(k)) {
@@ -308,8 +313,15 @@ fn tooltip(row: &Row, k: usize) -> String {
 mod tests {
     use super::*;
 
-    fn place(kv_row: usize, position: usize, pads_trimmed: usize) -> StepPlace {
-        StepPlace { kv_row, position, pads_trimmed }
+    fn places(steps: &[(usize, usize, usize)]) -> Vec<StepPlace> {
+        let each = steps.iter().map(|&(kv_row, position, pads_trimmed)| StepPlace {
+            step: 0,
+            kv_row,
+            position,
+            pads_trimmed,
+            rolled_back: 0,
+        });
+        StepPlace::expand(&StepPlace::runs(each), steps.len())
     }
 
     #[test]
@@ -322,11 +334,18 @@ mod tests {
     #[test]
     fn guides_mark_boundaries_and_rewinds() {
         // Steps fed rows 15, 16, 17, then a rewind to 16.
-        let layout = [place(15, 15, 0), place(16, 16, 0), place(17, 17, 0), place(16, 16, 0)];
+        let steps = [(15, 15, 0), (16, 16, 0), (17, 17, 0), (16, 16, 0)];
+        let layout = places(&steps);
+        assert_eq!(StepPlace::runs(layout.clone()).len(), 2, "a run, then the rewind");
+        assert_eq!(layout[2], StepPlace { step: 2, kv_row: 17, position: 17, pads_trimmed: 0, rolled_back: 0 });
         let g = guides(&layout, Some(8), 16);
         assert_eq!(g, [(1, Guide::Block), (1, Guide::Tile), (3, Guide::Trim), (3, Guide::Block), (3, Guide::Tile)]);
         // Dense path: no blocks; trimmed pads at step 0 count as a trim.
-        let g = guides(&[place(47, 36, 11), place(48, 37, 11)], None, 16);
+        let g = guides(&places(&[(47, 36, 11), (48, 37, 11)]), None, 16);
         assert_eq!(g, [(0, Guide::Trim)]);
+        // A rollback leaves the fed rows contiguous; its count says where it happened.
+        let mut layout = places(&[(5, 5, 0), (6, 6, 0), (7, 7, 0)]);
+        layout[2].rolled_back = 3;
+        assert_eq!(guides(&layout, None, 0), [(2, Guide::Trim)]);
     }
 }
