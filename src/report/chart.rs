@@ -140,21 +140,23 @@ impl Chart<'_> {
                 N(top + plot_h - yf.0)
             );
         }
-        // Decade grid (one path) and labels.
-        let every = if !full && hi - lo > 4 { 2 } else { 1 };
+        // Decade grid (one path) and labels: every decade on the full chart; the ends and the
+        // tolerance's decade on a small one (its shape is the point, and bytes add up).
+        let tol_decade = tol.map(|t| f64::from(t).log10().round() as i32);
+        let labelled = |d: i32| full || d == lo || d == hi || Some(d) == tol_decade;
         let mut grid = String::new();
         let mut labels = String::new();
         for d in lo..=hi {
             let yy = y(10f64.powi(d));
             let _ = write!(grid, "M{x0} {yy}H{x1}");
-            if (hi - d) % every == 0 {
+            if labelled(d) {
                 let text = if d == lo { format!("≤1e{d}") } else { format!("1e{d}") };
                 let _ = write!(labels, r#"<text class="ty" x="{}" y="{}">{text}</text>"#, N(left - 4.0), N(yy.0 + 3.5));
             }
         }
         let _ = write!(s, r#"<path class="grid" d="{grid}"/>{labels}"#);
         // Step ticks.
-        let stride = if full { (n / 16).max(1) } else { (n / 6).max(1) };
+        let stride = if full { (n / 16).max(1) } else { (n - 1).max(1) };
         for k in (0..n).step_by(stride) {
             let _ = write!(s, r#"<text class="tx" x="{}" y="{}">{k}</text>"#, x(k), N(h - bottom + 12.0));
         }
