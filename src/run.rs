@@ -12,8 +12,8 @@ use crate::error::{Error, Result};
 use crate::faults::Faults;
 use crate::model::Model;
 use crate::report::{
-    CheckpointReport, CheckpointStatus, DivergenceReport, Phase, Report, Row, SCHEMA_VERSION, Shard, Summary, finite,
-    row_id,
+    CheckpointReport, CheckpointStatus, DivergenceReport, Phase, Report, Row, SCHEMA_VERSION, Shard, StepPlace,
+    Summary, finite, row_id,
 };
 use crate::scenario::{self, CaseOutput, Harness, Live, Outcome, Prompt, Scenario};
 use crate::suite::{CheckpointSpec, PromptSource, PromptSpec, Suite};
@@ -228,6 +228,9 @@ pub(crate) fn empty_row(
         max_rel_rms: None,
         max_kl: None,
         step_rel_rms: Vec::new(),
+        step_kl: Vec::new(),
+        step_layout: Vec::new(),
+        block_size: None,
         noise_floor_rel_rms: None,
         nan: false,
         paths: 0,
@@ -613,10 +616,12 @@ fn case_row(
     row.reference_tokens = cmp.reference_tokens.clone();
     let steps = comparisons.iter().map(|c| c.steps.len()).max().unwrap_or(0);
     let mut step_rms = vec![0f32; steps];
+    let mut step_kl = vec![0f32; steps];
     let (mut max_rms, mut max_kl) = (0f32, 0f32);
     for cmp in &comparisons {
         for (i, m) in cmp.steps.iter().enumerate() {
             step_rms[i] = nan_max(step_rms[i], m.rel_rms);
+            step_kl[i] = nan_max(step_kl[i], m.kl);
         }
         max_rms = nan_max(max_rms, cmp.max_rel_rms);
         max_kl = nan_max(max_kl, cmp.max_kl);
@@ -625,6 +630,15 @@ fn case_row(
     row.max_rel_rms = finite(max_rms);
     row.max_kl = finite(max_kl);
     row.step_rel_rms = step_rms.into_iter().map(finite).collect();
+    row.step_kl = step_kl.into_iter().map(finite).collect();
+    row.step_layout = StepPlace::runs(c.paths[w].layout.iter().map(|l| StepPlace {
+        step: 0,
+        kv_row: l.kv_row,
+        position: l.position,
+        pads_trimmed: l.pads_trimmed,
+        rolled_back: l.rolled_back,
+    }));
+    row.block_size = path.capabilities.block_size.filter(|&bs| bs > 0);
     row.first_divergence = cmp.first_divergence.as_ref().map(|d| {
         let blocks = path.capabilities.block_size.filter(|&bs| bs > 0);
         DivergenceReport {

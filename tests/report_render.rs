@@ -8,7 +8,7 @@ use parity::report::diff::text_diff;
 use parity::report::merge::merge;
 use parity::report::{
     CheckpointReport, CheckpointStatus, DivergenceReport, Environment, Phase, Report, Row, SCHEMA_VERSION, Shard,
-    Summary, junit, markdown, table,
+    StepPlace, Summary, html, junit, markdown, table,
 };
 use parity::scenario::Settings;
 
@@ -38,6 +38,9 @@ fn row(checkpoint: &str, scenario: &str, case: &str, backend: &str, verdict: Ver
         max_rel_rms: ran.then_some(0.0),
         max_kl: ran.then_some(0.0),
         step_rel_rms: if ran { vec![Some(0.0); 4] } else { vec![] },
+        step_kl: vec![],
+        step_layout: vec![],
+        block_size: None,
         noise_floor_rel_rms: ran.then_some(3.2e-6),
         nan: false,
         paths: usize::from(ran),
@@ -130,6 +133,12 @@ fn report() -> Report {
     bad.max_rel_rms = Some(4.1e-2);
     bad.max_kl = Some(2.5e-1);
     bad.notes = vec!["padded 37 -> 64, trimmed 27".into()];
+    bad.step_rel_rms = vec![Some(0.0), Some(4.1e-2), None, Some(2.5e-2)];
+    bad.step_kl = vec![Some(0.0), Some(2.5e-1), None, Some(1.0e-1)];
+    let place = |k: usize| StepPlace { step: 0, kv_row: 63 + k, position: 36 + k, pads_trimmed: 27, rolled_back: 0 };
+    bad.step_layout = StepPlace::runs((0..4).map(place));
+    assert_eq!(bad.step_layout.len(), 1, "one run");
+    bad.block_size = Some(16);
     rows.push(bad);
 
     let mut err = row(tiny, "chunked", "*", "paged", Verdict::Error);
@@ -209,8 +218,39 @@ fn markdown() {
 }
 
 #[test]
+fn html() {
+    insta::assert_snapshot!("html", html::render(&report()));
+}
+
+/// A suite is untrusted input: names, prompts, reasons and decoded text cannot inject markup.
+#[test]
+fn html_escapes_everything_from_the_report() {
+    let mut r = report();
+    let evil = "<script>alert('x')</script>";
+    r.suite = evil.into();
+    r.checkpoints[0].name = format!("tiny{evil}");
+    for row in r.rows.iter_mut().filter(|row| row.checkpoint == "qwen3-tiny") {
+        row.checkpoint = format!("tiny{evil}");
+        row.prompt = format!("p\"{evil}&");
+    }
+    r.rows[4].failure = Some(format!("bad {evil}"));
+    r.rows[4].text = Some(format!("Lyon {evil}"));
+    r.rows[4].notes = vec![evil.into()];
+    r.checkpoints[1].reason = Some(evil.into());
+    r.summary.snapshot_changes = vec![evil.into()];
+    r.faults = vec![evil.into()];
+    let page = html::render(&r);
+    assert!(!page.contains("<script"), "unescaped script tag");
+    assert!(!page.contains("'x'"), "unescaped quote");
+    assert!(page.contains("&lt;script&gt;alert(&apos;x&apos;)&lt;/script&gt;"));
+    assert!(page.contains("p&quot;&lt;script&gt;"));
+    assert_eq!(html::esc("a<b>&\"c'\u{7}"), "a&lt;b&gt;&amp;&quot;c&apos;\\u{7}");
+}
+
+#[test]
 fn renderings_are_stable() {
     let r = report();
+    assert_eq!(html::render(&r), html::render(&r.clone()));
     assert_eq!(table::render(&r, false), table::render(&r.clone(), false));
     assert_eq!(junit::render(&r), junit::render(&r.clone()));
     assert_eq!(markdown::render(&r), markdown::render(&r.clone()));

@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 
-use super::EXIT_FAIL;
 use super::run::CommonArgs;
+use super::{EXIT_FAIL, EXIT_USAGE};
 use crate::report::Report;
 
 #[derive(ClapArgs)]
@@ -23,9 +23,18 @@ pub struct Args {
     junit: Option<PathBuf>,
     #[arg(long)]
     markdown: Option<PathBuf>,
+    /// Self-contained HTML report.
+    #[arg(long)]
+    html: Option<PathBuf>,
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
+    let out = CommonArgs { json: a.json, junit: a.junit, markdown: a.markdown, html: a.html, ..CommonArgs::default() };
+    // An output that cannot be written is said before the inputs are read.
+    if let Err(e) = out.check_outputs() {
+        eprintln!("error: {e:#}");
+        return Ok(ExitCode::from(EXIT_USAGE));
+    }
     let mut reports = Vec::new();
     for p in &a.inputs {
         let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
@@ -34,7 +43,6 @@ pub fn run(a: Args) -> Result<ExitCode> {
         reports.push(r);
     }
     let merged = crate::report::merge::merge(reports).map_err(anyhow::Error::msg)?;
-    let out = CommonArgs { json: a.json, junit: a.junit, markdown: a.markdown, ..CommonArgs::default() };
     out.write_reports(&merged)?;
     print!("{}", crate::report::table::render(&merged, super::color(std::io::stdout().is_terminal())));
     Ok(ExitCode::from(if merged.failed() { EXIT_FAIL } else { 0 }))

@@ -54,6 +54,9 @@ pub struct CommonArgs {
     /// Write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).
     #[arg(long)]
     pub markdown: Option<PathBuf>,
+    /// Write a self-contained HTML report here (summary, failing rows with per-step curves).
+    #[arg(long)]
+    pub html: Option<PathBuf>,
     /// Only rows whose `checkpoint/prompt/scenario/backend` contains this text.
     #[arg(long)]
     pub filter: Option<String>,
@@ -119,8 +122,8 @@ impl CommonArgs {
         !self.faults.is_empty()
     }
 
-    fn outputs(&self) -> [(&'static str, &Option<PathBuf>); 3] {
-        [("--json", &self.json), ("--junit", &self.junit), ("--markdown", &self.markdown)]
+    fn outputs(&self) -> [(&'static str, &Option<PathBuf>); 4] {
+        [("--json", &self.json), ("--junit", &self.junit), ("--markdown", &self.markdown), ("--html", &self.html)]
     }
 
     /// A report goes to stdout (`-`): then the human summary goes to stderr.
@@ -161,6 +164,7 @@ impl CommonArgs {
         write(&self.json, report.to_json())?;
         write(&self.junit, crate::report::junit::render(report))?;
         write(&self.markdown, crate::report::markdown::render(report))?;
+        write(&self.html, crate::report::html::render(report))?;
         Ok(())
     }
 }

@@ -31,6 +31,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
             return Ok(ExitCode::from(EXIT_USAGE));
         }
     };
+    // An output that cannot be written is said before the minutes of planted runs.
+    if let Err(e) = a.common.check_outputs() {
+        eprintln!("error: {e:#}");
+        return Ok(ExitCode::from(EXIT_USAGE));
+    }
     let to_plant = if a.common.faults.is_empty() { selftest::all_faults() } else { a.common.faults.clone() };
     let opts = RunOptions { faults: Faults::NONE, ..a.common.options() };
     if let Err(why) = crate::run::check_selection(&suite, &opts) {

@@ -1,7 +1,9 @@
 //! The result of a suite run, and its renderings: JSON (full precision, the machine report),
 //! insta snapshots (stable, for review), JUnit, Markdown and a terminal table.
 
+pub mod chart;
 pub mod diff;
+pub mod html;
 pub mod junit;
 pub mod markdown;
 pub mod merge;
@@ -128,6 +130,16 @@ pub struct Row {
     pub max_kl: Option<f32>,
     /// Per step, worst over paths; `null` for NaN.
     pub step_rel_rms: Vec<Option<f32>>,
+    /// Per step, KL(reference || path) in nats, worst over paths; `null` for NaN.
+    #[serde(default)]
+    pub step_kl: Vec<Option<f32>>,
+    /// Where the worst path was in the cache layout, step by step, as runs (see [`StepPlace`]):
+    /// the HTML report's block and tile guides, trims and rewinds.
+    #[serde(default)]
+    pub step_layout: Vec<StepPlace>,
+    /// Rows per KV block of the path (none: not a paged path).
+    #[serde(default)]
+    pub block_size: Option<usize>,
     pub noise_floor_rel_rms: Option<f32>,
     /// A NaN reached the logits (a poisoned row was read).
     pub nan: bool,
@@ -186,6 +198,49 @@ impl Row {
 /// A row's id from its parts, for selecting rows before they exist.
 pub fn row_id(checkpoint: &str, prompt: &str, scenario: &str, case: &str, path: &str) -> String {
     format!("{checkpoint}/{prompt}/{scenario}:{case}/{path}")
+}
+
+/// Where a run of steps sat in the cache layout: from `step` on, each step fed the next KV row
+/// at the next position, until the next run starts (a trim, a rollback or a rewind). Runs keep the JSON
+/// small: a plain decode is one run.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct StepPlace {
+    pub step: usize,
+    /// KV row of the token fed at that step.
+    pub kv_row: usize,
+    /// Its RoPE position.
+    pub position: usize,
+    /// Pad rows trimmed before that step.
+    pub pads_trimmed: usize,
+    /// Rows decoded then trimmed away (rolled back) before that step.
+    #[serde(default)]
+    pub rolled_back: usize,
+}
+
+impl StepPlace {
+    /// Runs from one place per step (`step` is set from the order).
+    pub fn runs(steps: impl IntoIterator<Item = StepPlace>) -> Vec<StepPlace> {
+        let mut out: Vec<StepPlace> = Vec::new();
+        for (step, place) in steps.into_iter().enumerate() {
+            let here = StepPlace { step, ..place };
+            if out.last().map(|r| r.at(step)) != Some(here) {
+                out.push(here);
+            }
+        }
+        out
+    }
+
+    /// Where step `step` of this run sat.
+    fn at(self, step: usize) -> StepPlace {
+        let k = step.saturating_sub(self.step);
+        StepPlace { step, kv_row: self.kv_row + k, position: self.position + k, ..self }
+    }
+
+    /// One place per step for `steps` steps (empty without runs).
+    pub fn expand(runs: &[StepPlace], steps: usize) -> Vec<StepPlace> {
+        let Some(first) = runs.first() else { return Vec::new() };
+        (0..steps).map(|k| runs.iter().rev().find(|r| r.step <= k).unwrap_or(first).at(k)).collect()
+    }
 }
 
 /// Where a path first chose differently from its reference, in layout terms.

@@ -191,6 +191,8 @@ pub struct StepLayout {
     pub batch_size: usize,
     /// Pad rows trimmed before this step (padded scenario).
     pub pads_trimmed: usize,
+    /// Rows rolled back (decoded, then trimmed) before this step (rollback scenario).
+    pub rolled_back: usize,
 }
 
 /// One sequence's run: per step, its greedy choice, its logits and where it was.
@@ -299,6 +301,8 @@ pub struct Live {
     /// Steps this path runs (at most the reference's length).
     pub steps: usize,
     pub pads_trimmed: usize,
+    /// Rows decoded then trimmed away (rollback).
+    pub rolled_back: usize,
 }
 
 impl Live {
@@ -309,6 +313,7 @@ impl Live {
             trace: PathTrace::default(),
             steps: steps.min(reference.tokens.len()),
             pads_trimmed: 0,
+            rolled_back: 0,
         }
     }
 
@@ -343,6 +348,7 @@ pub fn record_step(s: &dyn Session, lives: &mut [&mut Live], logits: &Array, fed
             batch_row: i,
             batch_size: b,
             pads_trimmed: live.pads_trimmed,
+            rolled_back: live.rolled_back,
         };
         live.record(token, row, layout);
     }

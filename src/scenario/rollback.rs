@@ -25,6 +25,7 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
                     let drafts: Vec<u32> = (0..k as u32).map(|d| (next + 1 + d) % vocab).collect();
                     s.forward(&[RowStep::new(live.seq, drafts)])?;
                     trim_exact(s.as_mut(), live.seq, k)?;
+                    live.rolled_back += k;
                     rollbacks += 1;
                 }
                 decode_step(s.as_mut(), &mut [&mut live])?;

@@ -1,0 +1,353 @@
+//! The per-step curve of one row as inline SVG, for the HTML report: relative logit RMS on a
+//! log axis, the tolerance as a line, the noise floor as a band, the first divergence marked,
+//! and the steps where the path crossed a block or tile boundary or was trimmed/rewound drawn
+//! as vertical guides. Each step carries a tooltip (`<title>`) with its RMS, KL and place, so
+//! the file needs no script.
+//!
+//! Colours come from CSS classes of the page (light and dark themes); nothing here is a colour.
+
+use std::fmt::Write;
+
+use super::{Row, StepPlace};
+
+/// What a step's guide says about where the path was when it was fed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Guide {
+    /// The fed token opened a new KV block.
+    Block,
+    /// The fed token sits at a multiple of the tile.
+    Tile,
+    /// Rows were trimmed or the sequence rewound before this step.
+    Trim,
+}
+
+impl Guide {
+    fn class(self) -> &'static str {
+        match self {
+            Guide::Block => "g-block",
+            Guide::Tile => "g-tile",
+            Guide::Trim => "g-trim",
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Guide::Block => "block boundary",
+            Guide::Tile => "tile boundary",
+            Guide::Trim => "trim/rewind",
+        }
+    }
+}
+
+/// Guides per step, from the recorded layout (one place per step, see [`StepPlace::expand`]).
+/// Step 0 is fed the last prompt token: a boundary
+/// there is still a boundary; a trim there means pads were trimmed after prefill.
+pub fn guides(layout: &[StepPlace], block_size: Option<usize>, tile: usize) -> Vec<(usize, Guide)> {
+    let mut out = Vec::new();
+    for (k, p) in layout.iter().enumerate() {
+        let prev = k.checked_sub(1).map(|j| layout[j]);
+        let moved = match prev {
+            Some(q) => p.pads_trimmed != q.pads_trimmed || p.rolled_back != q.rolled_back || p.kv_row != q.kv_row + 1,
+            None => p.pads_trimmed > 0,
+        };
+        if moved {
+            out.push((k, Guide::Trim));
+        }
+        if block_size.is_some_and(|bs| p.kv_row % bs == 0) {
+            out.push((k, Guide::Block));
+        }
+        if tile > 0 && p.position % tile == 0 {
+            out.push((k, Guide::Tile));
+        }
+    }
+    out
+}
+
+/// The size of a chart: `Full` for a failing row's panel, `Small` for the small multiples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Size {
+    Full,
+    Small,
+}
+
+pub struct Chart<'a> {
+    pub row: &'a Row,
+    pub tolerance: f32,
+    pub tile: usize,
+    pub size: Size,
+}
+
+/// Decades shown at most: below that, everything reads as "equal".
+const MAX_DECADES: i32 = 9;
+
+impl Chart<'_> {
+    pub fn svg(&self) -> String {
+        let row = self.row;
+        let full = self.size == Size::Full;
+        let (w, h, left, right, top, bottom) =
+            if full { (640.0, 220.0, 52.0, 12.0, 14.0, 30.0) } else { (260.0, 110.0, 40.0, 6.0, 8.0, 18.0) };
+        let n = row.step_rel_rms.len().max(1);
+        let (plot_w, plot_h) = (w - left - right, h - top - bottom);
+        let (x0, x1, y0, y1) = (N(left), N(w - right), N(top), N(top + plot_h));
+        let x = |k: usize| N(left + if n == 1 { plot_w / 2.0 } else { plot_w * k as f64 / (n - 1) as f64 });
+
+        // The y range: decades around every positive value, the tolerance and the floor.
+        let floor = row.noise_floor_rel_rms.filter(|f| *f > 0.0 && f.is_finite());
+        let tol = (self.tolerance > 0.0 && self.tolerance.is_finite()).then_some(self.tolerance);
+        let positives: Vec<f64> = row
+            .step_rel_rms
+            .iter()
+            .flatten()
+            .chain(floor.iter())
+            .chain(tol.iter())
+            .filter(|v| **v > 0.0 && v.is_finite())
+            .map(|v| f64::from(*v))
+            .collect();
+        let hi_val = positives.iter().copied().fold(f64::MIN, f64::max);
+        let lo_val = positives.iter().copied().fold(f64::MAX, f64::min);
+        let (mut lo, mut hi) = if positives.is_empty() {
+            (-4, 0)
+        } else {
+            (lo_val.log10().floor() as i32 - 1, hi_val.log10().ceil() as i32)
+        };
+        if hi <= lo {
+            hi = lo + 1;
+        }
+        lo = lo.max(hi - MAX_DECADES);
+        let y = |v: f64| {
+            let l = if v > 0.0 { v.log10().clamp(f64::from(lo), f64::from(hi)) } else { f64::from(lo) };
+            N(top + plot_h * (f64::from(hi) - l) / f64::from(hi - lo))
+        };
+
+        let mut s = String::new();
+        let _ = write!(
+            s,
+            r#"<svg class="chart {}" viewBox="0 0 {w} {h}" width="{w}" height="{h}" role="img">"#,
+            if full { "full" } else { "small" }
+        );
+        let title = if full {
+            format!("relative logit RMS per step for {}", row.id())
+        } else {
+            format!("{}: {}", row.id(), summary(row))
+        };
+        let _ = write!(s, "<title>{}</title>", super::html::esc(&title));
+        // Noise floor band: everything below it is what two correct runs differ by.
+        if let Some(f) = floor {
+            let yf = y(f64::from(f));
+            let _ = write!(
+                s,
+                r#"<rect class="floor" x="{x0}" y="{yf}" width="{}" height="{}"><title>noise floor {f:.3e}</title></rect>"#,
+                N(plot_w),
+                N(top + plot_h - yf.0)
+            );
+        }
+        // Decade grid (one path) and labels: every decade on the full chart; the ends and the
+        // tolerance's decade on a small one (its shape is the point, and bytes add up).
+        let tol_decade = tol.map(|t| f64::from(t).log10().round() as i32);
+        let labelled = |d: i32| full || d == lo || d == hi || Some(d) == tol_decade;
+        let mut grid = String::new();
+        let mut labels = String::new();
+        for d in lo..=hi {
+            let yy = y(10f64.powi(d));
+            let _ = write!(grid, "M{x0} {yy}H{x1}");
+            if labelled(d) {
+                let text = if d == lo { format!("≤1e{d}") } else { format!("1e{d}") };
+                let _ = write!(labels, r#"<text class="ty" x="{}" y="{}">{text}</text>"#, N(left - 4.0), N(yy.0 + 3.5));
+            }
+        }
+        let _ = write!(s, r#"<path class="grid" d="{grid}"/>{labels}"#);
+        // Step ticks.
+        let stride = if full { (n / 16).max(1) } else { (n - 1).max(1) };
+        for k in (0..n).step_by(stride) {
+            let _ = write!(s, r#"<text class="tx" x="{}" y="{}">{k}</text>"#, x(k), N(h - bottom + 12.0));
+        }
+        if full {
+            let _ = write!(s, r#"<text class="ty" x="{x1}" y="{}">step</text>"#, N(h - 3.0));
+        }
+        // Layout guides: each with its tooltip on the full chart, one path per kind on a small one.
+        let places = StepPlace::expand(&row.step_layout, row.step_rel_rms.len());
+        let guides = guides(&places, row.block_size, self.tile);
+        for kind in [Guide::Trim, Guide::Block, Guide::Tile] {
+            let mut d = String::new();
+            for &(k, g) in guides.iter().filter(|(_, g)| *g == kind) {
+                if full {
+                    let p = places[k];
+                    let _ = write!(
+                        s,
+                        r#"<path class="guide {}" d="M{} {y0}V{y1}"><title>step {k}: {} (kv row {}, position {})</title></path>"#,
+                        g.class(),
+                        x(k),
+                        g.name(),
+                        p.kv_row,
+                        p.position
+                    );
+                } else {
+                    let _ = write!(d, "M{} {y0}V{y1}", x(k));
+                }
+            }
+            if !d.is_empty() {
+                let _ = write!(s, r#"<path class="guide {}" d="{d}"/>"#, kind.class());
+            }
+        }
+        // Tolerance.
+        if let Some(t) = tol {
+            let yt = y(f64::from(t));
+            let _ = write!(s, r#"<path class="tol" d="M{x0} {yt}H{x1}"><title>tolerance {t:.1e}</title></path>"#);
+        }
+        // First divergence.
+        if let Some(d) = &row.first_divergence {
+            let xd = x(d.choice.step.min(n - 1));
+            let _ = write!(
+                s,
+                r#"<path class="div" d="M{xd} {y0}V{y1}"/><text class="div-label" x="{}" y="{}" data-step="{}">◆ step {}</text>"#,
+                N(xd.0 + 3.0),
+                N(top + 9.0),
+                d.choice.step,
+                d.choice.step
+            );
+        }
+        // The curve: NaN steps break it and are marked at the top.
+        let mut path = String::new();
+        let mut pen_up = true;
+        for (k, v) in row.step_rel_rms.iter().enumerate() {
+            match v {
+                Some(v) => {
+                    let _ = write!(path, "{}{} {}", if pen_up { "M" } else { "L" }, x(k), y(f64::from(*v)));
+                    pen_up = false;
+                }
+                None => pen_up = true,
+            }
+        }
+        if !path.is_empty() {
+            let _ = write!(s, r#"<path class="curve" d="{path}"/>"#);
+        }
+        // Points with their tooltips on the full chart; the small multiples mark only NaN steps
+        // (a hover there would cost more bytes than the curve).
+        for (k, v) in row.step_rel_rms.iter().enumerate() {
+            let tip = || super::html::esc(&tooltip(row, places.get(k), k));
+            match (v, full) {
+                (Some(v), true) => {
+                    let over = tol.is_some_and(|t| *v > t);
+                    let _ = write!(
+                        s,
+                        r#"<circle class="pt{}" cx="{}" cy="{}" r="3"><title>{}</title></circle>"#,
+                        if over { " over" } else { "" },
+                        x(k),
+                        y(f64::from(*v)),
+                        tip()
+                    );
+                }
+                (Some(_), false) => {}
+                (None, true) => {
+                    let _ = write!(
+                        s,
+                        r#"<text class="nan" x="{}" y="{}">NaN<title>{}</title></text>"#,
+                        x(k),
+                        N(top + 9.0),
+                        tip()
+                    );
+                }
+                (None, false) => {
+                    let _ = write!(s, r#"<text class="nan" x="{}" y="{}">×</text>"#, x(k), N(top + 9.0));
+                }
+            }
+        }
+        let _ =
+            write!(s, r#"<rect class="frame" x="{x0}" y="{y0}" width="{}" height="{}"/></svg>"#, N(plot_w), N(plot_h));
+        s
+    }
+}
+
+/// A coordinate, to a tenth of a pixel, without a trailing `.0`.
+#[derive(Debug, Clone, Copy)]
+struct N(f64);
+
+impl std::fmt::Display for N {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let tenths = (self.0 * 10.0).round() as i64;
+        if tenths % 10 == 0 { write!(f, "{}", tenths / 10) } else { write!(f, "{:.1}", tenths as f64 / 10.0) }
+    }
+}
+
+/// The small chart's tooltip: the row's worst step and where it left its reference.
+fn summary(row: &Row) -> String {
+    let mut t = super::table::rms(row);
+    if let Some(d) = &row.first_divergence {
+        let _ = write!(t, "; first divergence at step {} (position {})", d.choice.step, d.position);
+    }
+    t
+}
+
+fn tooltip(row: &Row, place: Option<&StepPlace>, k: usize) -> String {
+    let mut t = format!("step {k}: rel RMS ");
+    match row.step_rel_rms.get(k).copied().flatten() {
+        Some(v) => {
+            let _ = write!(t, "{v:.3e}");
+        }
+        None => t.push_str("NaN"),
+    }
+    match row.step_kl.get(k) {
+        Some(Some(kl)) => {
+            let _ = write!(t, ", KL {kl:.3e}");
+        }
+        Some(None) => t.push_str(", KL NaN"),
+        None => {}
+    }
+    if let Some(p) = place {
+        let _ = write!(t, "; position {}, kv row {}", p.position, p.kv_row);
+        if p.pads_trimmed > 0 {
+            let _ = write!(t, ", {} pads trimmed", p.pads_trimmed);
+        }
+        if p.rolled_back > 0 {
+            let _ = write!(t, ", {} rows rolled back", p.rolled_back);
+        }
+    }
+    if let (Some(a), Some(b)) = (row.reference_tokens.get(k), row.tokens.get(k)) {
+        if a == b {
+            let _ = write!(t, "; token {a}");
+        } else {
+            let _ = write!(t, "; reference {a}, path {b}");
+        }
+    }
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn places(steps: &[(usize, usize, usize)]) -> Vec<StepPlace> {
+        let each = steps.iter().map(|&(kv_row, position, pads_trimmed)| StepPlace {
+            step: 0,
+            kv_row,
+            position,
+            pads_trimmed,
+            rolled_back: 0,
+        });
+        StepPlace::expand(&StepPlace::runs(each), steps.len())
+    }
+
+    #[test]
+    fn coordinates_are_short() {
+        assert_eq!(N(40.0).to_string(), "40");
+        assert_eq!(N(59.46).to_string(), "59.5");
+        assert_eq!(N(-0.04).to_string(), "0");
+    }
+
+    #[test]
+    fn guides_mark_boundaries_and_rewinds() {
+        // Steps fed rows 15, 16, 17, then a rewind to 16.
+        let steps = [(15, 15, 0), (16, 16, 0), (17, 17, 0), (16, 16, 0)];
+        let layout = places(&steps);
+        assert_eq!(StepPlace::runs(layout.clone()).len(), 2, "a run, then the rewind");
+        assert_eq!(layout[2], StepPlace { step: 2, kv_row: 17, position: 17, pads_trimmed: 0, rolled_back: 0 });
+        let g = guides(&layout, Some(8), 16);
+        assert_eq!(g, [(1, Guide::Block), (1, Guide::Tile), (3, Guide::Trim), (3, Guide::Block), (3, Guide::Tile)]);
+        // Dense path: no blocks; trimmed pads at step 0 count as a trim.
+        let g = guides(&places(&[(47, 36, 11), (48, 37, 11)]), None, 16);
+        assert_eq!(g, [(0, Guide::Trim)]);
+        // A rollback leaves the fed rows contiguous; its count says where it happened.
+        let mut layout = places(&[(5, 5, 0), (6, 6, 0), (7, 7, 0)]);
+        layout[2].rolled_back = 3;
+        assert_eq!(guides(&layout, None, 0), [(2, Guide::Trim)]);
+    }
+}
