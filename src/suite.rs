@@ -209,9 +209,14 @@ impl CheckpointSpec {
 }
 
 impl Suite {
-    /// The directory relative checkpoint paths are resolved against.
+    /// The directory relative checkpoint paths are resolved against, and where engine
+    /// commands run. A bare file name (`parity run mlx-lm.toml`) has the empty path as its
+    /// parent, which no process can be started in: that is `.`.
     pub fn dir(&self) -> PathBuf {
-        self.file.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+        match self.file.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        }
     }
 }
 

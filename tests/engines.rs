@@ -201,3 +201,16 @@ fn adapters_die_with_a_parity_killed_by_sigkill() {
     assert!(started, "the deaf adapter never started");
     common::assert_no_leftovers(&tag);
 }
+
+/// Guards "`cd suites && parity run adapter.toml` cannot start any adapter": a bare suite
+/// file name has the empty path as its directory, and a child cannot be started in "".
+#[test]
+fn a_suite_named_without_a_directory_starts_its_adapters() {
+    let file = fixture_suite("bare-suite-name", &adapter_engine(&[], &[], 60.0));
+    let o = common::command()
+        .current_dir(file.parent().expect("scratch dir"))
+        .args(["run", "fixtures.toml", "--no-snapshots", "--filter", "llama-tiny/block-1/single"])
+        .output()
+        .expect("run parity");
+    assert_eq!(common::code(&o), 0, "{}", common::text(&o));
+}
