@@ -109,3 +109,21 @@ fn bfloat16_and_native_dtypes_run_and_agree() {
         }
     }
 }
+
+/// The batching faults live in batched attention only: a row-by-row path asked to plant one
+/// refuses (its rows are skipped, naming the fault) instead of passing without planting it.
+#[test]
+fn rowwise_paths_refuse_the_batching_faults() {
+    use parity::engine::EnginePath;
+    use parity::faults::Fault;
+    use parity::model::AttentionMode;
+    let (model, _) = common::load(&common::fixture("llama-tiny"));
+    for p in BuiltinPath::ALL {
+        let mut path = Builtin::new(&model, p, &settings());
+        for f in [Fault::RopeBatchAlias, Fault::BatchRowSwap, Fault::RaggedMaskWide] {
+            let planted = path.session(Faults::only(f)).is_ok();
+            assert_eq!(planted, p.attention == AttentionMode::Batched, "{} {}", p.name(), f.name());
+        }
+        assert!(path.session(Faults::only(Fault::PadUnmasked)).is_ok(), "{}: both modes mask pads", p.name());
+    }
+}

@@ -134,6 +134,8 @@ impl EnginePath for Builtin<'_> {
     }
 
     fn session(&mut self, faults: Faults) -> Result<Box<dyn Session + '_>> {
+        // A row-by-row path has no code for the batching faults: a skip, never a quiet pass.
+        self.info.check_faults(faults)?;
         let kv = self.kv(faults)?;
         let kv = self.kv.insert(kv);
         Ok(Box::new(BuiltinSession::new(self.model, kv.as_mut(), faults, self.path.attention)))
