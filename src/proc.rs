@@ -93,6 +93,8 @@ pub fn kill_all() {
 #[derive(Debug, Default)]
 struct Tail {
     lines: VecDeque<String>,
+    /// The child's output reached EOF: every line it wrote is in `lines`.
+    closed: bool,
 }
 
 impl Tail {
@@ -231,6 +233,21 @@ impl Child {
         tail.lines.iter().cloned().collect::<Vec<_>>().join("\n")
     }
 
+    /// The last lines, once the child's output has been read to its end or `within` has
+    /// passed. A child that prints why it fails and dies at once can exit before its drain
+    /// thread reads those words; without this wait the message would lose them (seen under
+    /// load in tests/engines.rs, crash mode).
+    pub fn settled_tail(&self, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let closed = self.tail.lock().map(|t| t.closed).unwrap_or(true);
+            if closed || Instant::now() >= deadline {
+                return self.tail();
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// The exit status if the child has exited (without blocking).
     pub fn exited(&mut self) -> Option<ExitStatus> {
         if self.exited.is_none() {
@@ -277,7 +294,12 @@ fn drain(from: impl Read + Send + 'static, tail: Arc<Mutex<Tail>>, log: Option<A
         loop {
             buf.clear();
             match reader.read_until(b'\n', &mut buf) {
-                Ok(0) | Err(_) => return,
+                Ok(0) | Err(_) => {
+                    if let Ok(mut t) = tail.lock() {
+                        t.closed = true;
+                    }
+                    return;
+                }
                 Ok(_) => {
                     if let Some(log) = &log
                         && let Ok(mut f) = log.lock()

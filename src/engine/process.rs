@@ -125,11 +125,14 @@ impl Client {
         while self.child.exited().is_none() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
-        let status = match self.child.exited() {
-            Some(s) => format!("; the adapter {}", proc::describe_exit(s)),
-            None => String::new(),
+        let (status, tail) = match self.child.exited() {
+            // Dead: what it wrote last is on its way; wait for it (bounded, its group may
+            // still hold the pipe open).
+            Some(s) => {
+                (format!("; the adapter {}", proc::describe_exit(s)), self.child.settled_tail(Duration::from_secs(2)))
+            }
+            None => (String::new(), self.child.tail()),
         };
-        let tail = self.child.tail();
         let tail = if tail.is_empty() { String::new() } else { format!("\nadapter stderr (last lines):\n{tail}") };
         CallError::Broken(format!("{what}{status}{tail}"))
     }
