@@ -58,6 +58,10 @@ fn snapshots_are_written_for_review_then_stable_once_accepted() {
     let o = parity(&args);
     assert_eq!(code(&o), 1, "{}", text(&o));
     assert!(Path::new(&format!("{}.new", first.display())).exists());
+    // Its review names the changed row by the id `--filter` takes.
+    let o = parity(&["review", dir.to_str().unwrap()]);
+    let row = text(&o).lines().find(|l| l.starts_with("row ")).map(str::to_string).unwrap_or_default();
+    assert!(text(&o).contains("changed snapshot") && row.matches('/').count() == 3, "{}", text(&o));
     // `--update always` accepts it on the spot, says so, and leaves nothing pending.
     let o = command().args(args).args(["--update", "always"]).output().expect("run parity");
     assert_eq!(code(&o), 0, "{}", text(&o));

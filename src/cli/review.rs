@@ -78,6 +78,15 @@ pub fn review(a: Args) -> Result<ExitCode> {
         let title = if accepted.exists() { "changed snapshot" } else { "new snapshot" };
         println!("{title}: {}", accepted.display());
         for hunk in diff.unified_diff().context_radius(3).header("accepted", "pending").iter_hunks() {
+            // Name the row the first changed line is in; its prompt line may be out of context.
+            let changed = hunk.ops().iter().find(|op| op.tag() != similar::DiffTag::Equal);
+            let row = changed.and_then(|op| match op.tag() {
+                similar::DiffTag::Delete => snapshot::row_of_line(&old, op.old_range().start),
+                _ => snapshot::row_of_line(&new, op.new_range().start),
+            });
+            if let Some(row) = row {
+                println!("row {row}");
+            }
             for line in hunk.to_string().lines() {
                 let painted = match (color, line.chars().next()) {
                     (true, Some('+')) => format!("\x1b[32m{line}\x1b[0m"),

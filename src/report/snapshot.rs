@@ -126,6 +126,27 @@ pub fn render(report: &Report) -> BTreeMap<String, String> {
     out
 }
 
+/// The id of the row that line `at` (0-based) of a rendered snapshot belongs to, as every
+/// report prints it (`checkpoint/prompt/scenario:case/path`), so a review hunk whose context
+/// does not reach the row's first lines still says which row changed and can be copied into
+/// `--filter`. `None` for header lines.
+pub fn row_of_line(text: &str, at: usize) -> Option<String> {
+    let lines: Vec<&str> = text.lines().collect();
+    let value = |line: &str, key: &str| {
+        line.trim_start().strip_prefix(key).map(|v| {
+            let v = v.trim();
+            v.strip_prefix('"').and_then(|v| v.strip_suffix('"')).unwrap_or(v).to_string()
+        })
+    };
+    let header = |key: &str| lines.iter().find_map(|l| value(l, key).filter(|_| l.starts_with(key)));
+    let (checkpoint, scenario) = (header("checkpoint:")?, header("scenario:")?);
+    let start = (0..=at.min(lines.len().checked_sub(1)?)).rev().find(|&i| lines[i].starts_with("  - prompt:"))?;
+    let prompt = value(lines[start], "- prompt:")?;
+    let body: Vec<&str> = lines[start + 1..].iter().take_while(|l| !l.starts_with("  - ")).copied().collect();
+    let find = |key: &str| body.iter().find_map(|l| value(l, key));
+    Some(super::row_id(&checkpoint, &prompt, &scenario, &find("case:")?, &find("backend:")?))
+}
+
 fn row(s: &mut String, r: &Row, c: &super::CheckpointReport) {
     let tolerance = c.max_rel_rms_tolerance;
     let _ = writeln!(s, "  - prompt: {}", yaml_str(&r.prompt));
@@ -323,6 +344,14 @@ pub fn accepted_path(pending: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_line_deep_in_a_row_names_that_row() {
+        let text = "---\nsource: s.toml\n---\ncheckpoint: tiny\nscenario: batch2\nrows:\n  - prompt: a\n    case: same\n    backend: dense\n    tokens: [1]\n  - prompt: \"b+1\"\n    case: ragged\n    backend: paged\n    verdict: identical\n    tokens: [2, 3]\n";
+        assert_eq!(row_of_line(text, 9).as_deref(), Some("tiny/a/batch2:same/dense"));
+        assert_eq!(row_of_line(text, 14).as_deref(), Some("tiny/b+1/batch2:ragged/paged"));
+        assert_eq!(row_of_line(text, 3), None, "a header line belongs to no row");
+    }
 
     #[test]
     fn buckets_separate_noise_from_failures() {
