@@ -29,18 +29,7 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
                 Error::Unsupported(why) => Outcome::Skipped(why),
                 e => Outcome::Failed(e.to_string()),
             };
-            prompts
-                .iter()
-                .map(|p| CaseOutput {
-                    case: "*".into(),
-                    prompt: p.clone(),
-                    paths: Vec::new(),
-                    notes: Vec::new(),
-                    kv: None,
-                    outcome: outcome.clone(),
-                    audit: None,
-                })
-                .collect()
+            CaseOutput::for_every_prompt(prompts, outcome)
         }
     }
 }

@@ -96,18 +96,10 @@ impl Scenario {
             Scenario::Rollback => rollback::run(h, path, prompts),
             Scenario::Prefix => prefix::run(h, path, prompts),
             // Suites refuse these on step-level engines (suite.rs); never silently pass.
-            Scenario::Lengths | Scenario::Repeat => prompts
-                .iter()
-                .map(|p| CaseOutput {
-                    case: "*".into(),
-                    prompt: p.clone(),
-                    paths: Vec::new(),
-                    notes: Vec::new(),
-                    kv: None,
-                    outcome: Outcome::Failed(format!("`{}` runs on kind = \"openai\" only", self.name())),
-                    audit: None,
-                })
-                .collect(),
+            Scenario::Lengths | Scenario::Repeat => CaseOutput::for_every_prompt(
+                prompts,
+                Outcome::Failed(format!("`{}` runs on kind = \"openai\" only", self.name())),
+            ),
         }
     }
 }
@@ -228,6 +220,25 @@ pub struct CaseOutput {
     /// The KV store's books when the case ended ([`Session::audit`]): a leak or refcount
     /// mismatch, naming the blocks, fails the row even when every token matches.
     pub audit: Option<String>,
+}
+
+impl CaseOutput {
+    /// One `*` case per prompt with the same outcome and nothing computed: a scenario that
+    /// could not run at all still gives every prompt a row saying why.
+    pub fn for_every_prompt(prompts: &[Prompt], outcome: Outcome) -> Vec<CaseOutput> {
+        prompts
+            .iter()
+            .map(|p| CaseOutput {
+                case: "*".into(),
+                prompt: p.clone(),
+                paths: Vec::new(),
+                notes: Vec::new(),
+                kv: None,
+                outcome: outcome.clone(),
+                audit: None,
+            })
+            .collect()
+    }
 }
 
 /// What scenarios share for one checkpoint: the settings, the planted faults, and the
