@@ -30,6 +30,8 @@ fn snapshots_are_written_for_review_then_stable_once_accepted() {
     // No accepted snapshots yet: an unaccepted change, exit 1, .snap.new written.
     let o = parity(&args);
     assert_eq!(code(&o), 1, "{}", text(&o));
+    // `run` and `review` use one word for one thing: nothing accepted yet is "new".
+    assert!(text(&o).contains("new snapshot: ") && !text(&o).contains("changed snapshot"), "{}", text(&o));
     let dir = reports.join("fixtures");
     assert!(snapshots(&dir).iter().all(|(p, _)| p.to_string_lossy().ends_with(".snap.new")));
     // `review` shows them and exits 0 (reviewing is reading; README's `parity review S &&
@@ -57,6 +59,9 @@ fn snapshots_are_written_for_review_then_stable_once_accepted() {
     std::fs::write(first, String::from_utf8_lossy(content).replace("identical", "near-tie")).unwrap();
     let o = parity(&args);
     assert_eq!(code(&o), 1, "{}", text(&o));
+    assert!(text(&o).contains(&format!("changed snapshot: {}", first.display())), "{}", text(&o));
+    let o = parity(&["review", dir.to_str().unwrap()]);
+    assert!(text(&o).contains(&format!("changed snapshot: {}", first.display())), "{}", text(&o));
     assert!(Path::new(&format!("{}.new", first.display())).exists());
     // Its review names the changed row by the id `--filter` takes.
     let o = parity(&["review", dir.to_str().unwrap()]);
@@ -395,4 +400,48 @@ fn bench_against_mlx_lm_refuses_other_setups_and_fails_on_other_tokens() {
     let o = bench("3", &["--mlx-lm", differ.to_str().unwrap()]);
     assert_eq!(code(&o), 1, "{}", text(&o));
     assert!(text(&o).contains("different greedy tokens"), "{}", text(&o));
+}
+
+/// `--backend` means one thing on every command (#17): path names as `parity run` prints them,
+/// repeatable or comma separated. bench used to take `both` (which run refused) and a separate
+/// `--attention` list; a path it measures is now selected by the same name a report shows.
+#[test]
+fn bench_selects_paths_by_the_names_run_uses() {
+    let fixture = common::fixture("llama-tiny");
+    let bench = |extra: &[&str]| {
+        command()
+            .args([
+                "bench",
+                fixture.to_str().unwrap(),
+                "--prompt-len",
+                "6",
+                "--decode",
+                "2",
+                "--reps",
+                "1",
+                "--batch",
+                "2",
+            ])
+            .args(extra)
+            .output()
+            .expect("run parity")
+    };
+    let paths = |o: &std::process::Output| -> Vec<String> {
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        out.lines()
+            .filter(|l| l.split_whitespace().nth(1) == Some("2"))
+            .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+            .collect()
+    };
+    let o = bench(&["--backend", "paged-rowwise,dense"]);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    assert_eq!(paths(&o), ["paged-rowwise", "dense"], "exactly the paths named, in order: {}", text(&o));
+    let o = bench(&[]);
+    assert_eq!(paths(&o), ["dense", "paged"], "the default is the suite default: {}", text(&o));
+    let o = bench(&["--backend", "both"]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("--backend dense,paged"), "the refusal names the spelling that works: {}", text(&o));
+    let o = bench(&["--backend", "fast"]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("dense, paged, dense-rowwise, paged-rowwise"), "{}", text(&o));
 }

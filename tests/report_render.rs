@@ -163,7 +163,10 @@ fn report() -> Report {
     }
 
     let mut summary = Summary::of(&rows);
-    summary.snapshot_changes = vec!["reports/qwen3/qwen3-tiny/padded.snap".into()];
+    // One changed and one new snapshot: every renderer names them as `parity review` does.
+    summary.snapshot_changes =
+        vec!["reports/qwen3/qwen3-tiny__padded.snap".into(), "reports/qwen3/qwen3-tiny__prefix.snap".into()];
+    summary.snapshot_new = vec!["reports/qwen3/qwen3-tiny__prefix.snap".into()];
     summary.seconds = 12.5;
     Report {
         schema: SCHEMA_VERSION,
@@ -324,6 +327,7 @@ fn shards() -> (Report, Report) {
     b.summary = Summary::of(&b.rows);
     b.summary.seconds = 7.5;
     b.summary.snapshot_changes = full.summary.snapshot_changes.clone();
+    b.summary.snapshot_new = full.summary.snapshot_new.clone();
     (a, b)
 }
 

@@ -91,6 +91,9 @@ fn a_selection_of_nothing_is_an_error_and_never_good_under_bisect() {
     let o = parity(&["run", "suites/fixtures.toml", "--backend", "sparse"]);
     assert_eq!(code(&o), 2, "{}", text(&o));
     assert!(text(&o).contains("has no such path (it has dense, paged)"), "{}", text(&o));
+    let o = parity(&["run", "suites/fixtures.toml", "--backend", "dense,sparse"]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("--backend sparse:"), "a comma separates path names, as on bench: {}", text(&o));
     let o = parity(&["selftest", "suites/fixtures.toml", "--filter", "nope"]);
     assert_eq!(code(&o), 2, "a selftest that ran nothing caught nothing: {}", text(&o));
 }

@@ -75,7 +75,7 @@ pub fn review(a: Args) -> Result<ExitCode> {
         let old = std::fs::read_to_string(&accepted).unwrap_or_default();
         let new = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
         let diff = similar::TextDiff::from_lines(&old, &new);
-        let title = if accepted.exists() { "changed snapshot" } else { "new snapshot" };
+        let title = if accepted.exists() { snapshot::Change::Changed } else { snapshot::Change::New }.label();
         println!("{title}: {}", accepted.display());
         for hunk in diff.unified_diff().context_radius(3).header("accepted", "pending").iter_hunks() {
             // Name the row the first changed line is in; its prompt line may be out of context.

@@ -60,11 +60,12 @@ pub struct CommonArgs {
     /// Only rows whose `checkpoint/prompt/scenario/backend` contains this text.
     #[arg(long)]
     pub filter: Option<String>,
-    /// Only these scenarios (repeatable).
-    #[arg(long = "scenario", value_parser = parse_scenario)]
+    /// Only these scenarios (repeatable or comma separated).
+    #[arg(long = "scenario", value_parser = parse_scenario, value_delimiter = ',')]
     pub scenarios: Vec<Scenario>,
-    /// Only these paths (repeatable): `dense`, `paged`, or an engine's path names.
-    #[arg(long = "backend", value_name = "PATH")]
+    /// Only these paths (repeatable or comma separated): `dense`, `paged`, `dense-rowwise`,
+    /// `paged-rowwise`, or an engine's path names.
+    #[arg(long = "backend", value_name = "PATH", value_delimiter = ',')]
     pub backends: Vec<String>,
     /// Run shard I of N (1-based): split a suite across CI runners; merge with `parity merge`.
     #[arg(long, value_parser = parse_shard)]
@@ -359,6 +360,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         let checked = snapshot::check(&root, &dir, &snapshot::render(&report), mode)
             .with_context(|| format!("writing snapshots under {}", dir.display()))?;
         report.summary.snapshot_changes = checked.changes.iter().map(|p| p.display().to_string()).collect();
+        report.summary.snapshot_new = checked.new.iter().map(|p| p.display().to_string()).collect();
         if !checked.accepted.is_empty() {
             eprintln!("accepted {} under {}", table::plural(checked.accepted.len(), "snapshot"), dir.display());
         }

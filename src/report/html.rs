@@ -11,6 +11,7 @@
 use std::fmt::Write;
 
 use super::chart::{Chart, Size};
+use super::snapshot::Change;
 use super::table::{counts, failing, first_line, groups, location, plural, rms, top2};
 use super::{CheckpointReport, CheckpointStatus, Report, Row};
 use crate::compare::{TOP_K, Verdict};
@@ -396,7 +397,8 @@ fn tail(out: &mut String, report: &Report) {
     }
     out.push_str("<section><h2>Snapshot changes</h2><ul>");
     for c in changes {
-        let _ = write!(out, "<li><code>{}</code></li>", esc(c));
+        let label = Change::of(c, &report.summary.snapshot_new).label();
+        let _ = write!(out, "<li>{label}: <code>{}</code></li>", esc(c));
     }
     out.push_str(
         "</ul><p>Review with <code>parity review</code>, accept with <code>parity accept</code>.</p></section>\n",

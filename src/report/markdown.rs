@@ -6,6 +6,7 @@
 
 use std::fmt::Write;
 
+use super::snapshot::Change;
 use super::table::{counts, details, failing, first_line, groups, plural};
 use super::{CheckpointStatus, Report, Row};
 use crate::compare::Verdict;
@@ -75,7 +76,7 @@ pub fn render(report: &Report) -> String {
     if !s.snapshot_changes.is_empty() {
         out.push_str("### Snapshot changes\n\n");
         for name in &s.snapshot_changes {
-            let _ = writeln!(out, "- {}", code(name));
+            let _ = writeln!(out, "- {}: {}", Change::of(name, &s.snapshot_new).label(), code(name));
         }
         out.push('\n');
     }

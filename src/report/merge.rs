@@ -72,6 +72,8 @@ pub fn merge(reports: Vec<Report>) -> Result<Report, String> {
     let mut summary = Summary::of(&rows);
     let changes: BTreeSet<&String> = reports.iter().flat_map(|r| &r.summary.snapshot_changes).collect();
     summary.snapshot_changes = changes.into_iter().cloned().collect();
+    let new: BTreeSet<&String> = reports.iter().flat_map(|r| &r.summary.snapshot_new).collect();
+    summary.snapshot_new = new.into_iter().cloned().collect();
     summary.seconds = reports.iter().fold(0.0, |t, r| t + r.summary.seconds);
 
     let base = &reports[0];

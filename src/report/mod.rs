@@ -271,6 +271,9 @@ pub struct Summary {
     pub by_verdict: BTreeMap<String, usize>,
     /// Snapshot files that differ from the accepted ones (`.snap.new` written).
     pub snapshot_changes: Vec<String>,
+    /// Those of `snapshot_changes` with no accepted snapshot yet (new, not changed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub snapshot_new: Vec<String>,
     pub seconds: f64,
 }
 

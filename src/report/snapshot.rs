@@ -250,11 +250,36 @@ pub fn file_stem(checkpoint: &str, scenario: &str) -> String {
     format!("{}__{}", clean(checkpoint), clean(scenario))
 }
 
+/// A pending snapshot is new (nothing accepted yet) or changed (differs from the accepted
+/// one). `run`, its reports and `review` all name it with [`Change::label`], so a reviewer sees
+/// one word for one thing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    New,
+    Changed,
+}
+
+impl Change {
+    pub fn label(self) -> &'static str {
+        match self {
+            Change::New => "new snapshot",
+            Change::Changed => "changed snapshot",
+        }
+    }
+
+    /// The kind of a pending change as a report records it (see `Summary::snapshot_new`).
+    pub fn of(name: &str, new: &[String]) -> Change {
+        if new.iter().any(|n| n == name) { Change::New } else { Change::Changed }
+    }
+}
+
 /// What `check` found and did.
 #[derive(Debug, Default)]
 pub struct Checked {
     /// Accepted snapshots the run differs from (or that do not exist yet), left pending.
     pub changes: Vec<PathBuf>,
+    /// Those of `changes` that have no accepted snapshot yet.
+    pub new: Vec<PathBuf>,
     /// Snapshots this run wrote as accepted (`always`, or `unseen` for new ones), so that an
     /// update run says what it changed instead of reporting "0 snapshot changes".
     pub accepted: Vec<PathBuf>,
@@ -308,6 +333,9 @@ pub fn check(
         }
         if mode != UpdateMode::No {
             std::fs::write(&pending, content)?;
+        }
+        if old.is_none() {
+            out.new.push(accepted.clone());
         }
         out.changes.push(accepted);
     }

@@ -7,6 +7,7 @@
 
 use std::fmt::Write;
 
+use super::snapshot::Change;
 use super::{CheckpointReport, CheckpointStatus, DivergenceReport, Report, Row};
 use crate::compare::{TOP_K, Verdict};
 
@@ -130,7 +131,7 @@ pub fn tail(report: &Report, color: bool) -> String {
     let s = &report.summary;
     out.push('\n');
     for name in &s.snapshot_changes {
-        let _ = writeln!(out, "snapshot changed: {name}");
+        let _ = writeln!(out, "{}: {name}", Change::of(name, &s.snapshot_new).label());
     }
     let mut last = s.line();
     if let Some(shard) = report.shard {
