@@ -21,6 +21,7 @@ N entries.
 """
 
 import argparse
+import ctypes
 import gc
 import importlib.metadata
 import json
@@ -129,6 +130,22 @@ def batch_run(model, prompts, steps):
     return r.token_ids, r.stats
 
 
+def openblas_config(maps):
+    """OpenBLAS's configuration and the kernel it chose, worded as `parity bench` words it
+    (runtime::blas), so the two sides can be checked to run the same kernel: an OpenBLAS
+    that does not know the CPU runs its generic Prescott kernel, 2-3x slower."""
+    path = next((line.split()[-1] for line in maps.splitlines() if "libopenblas" in line), None)
+    try:
+        lib = ctypes.CDLL(path)
+        lib.openblas_get_config.restype = ctypes.c_char_p
+        lib.openblas_get_corename.restype = ctypes.c_char_p
+        config = lib.openblas_get_config().decode().strip()
+        core = lib.openblas_get_corename().decode().strip()
+    except (OSError, AttributeError, TypeError):
+        return "openblas"
+    return config if core in config else f"{config} (core {core})"
+
+
 def blas_in_use():
     if sys.platform == "darwin":
         return "accelerate"
@@ -140,7 +157,7 @@ def blas_in_use():
     except OSError:
         return "unknown"
     if "libopenblas" in maps:
-        return "openblas"
+        return openblas_config(maps)
     if "mlx_cpu.libs/libblas-" in maps:
         return "netlib"
     return "unknown"

@@ -174,6 +174,7 @@ fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> Checkpo
         allowed_verdicts: spec.tolerance.allow.clone(),
         phases: Vec::new(),
         noise_floor: BTreeMap::new(),
+        prompt_ids: BTreeMap::new(),
         engine: None,
         reference_engine: None,
         reference_path: None,
@@ -294,6 +295,7 @@ fn run_checkpoint(
             });
         }
     }
+    report.prompt_ids = encoded_ids(&prompts);
     let pad = config.pad_token_id.or_else(|| config.eos_token_ids.first().copied()).unwrap_or(0);
     let filter = Filter(opts.filter.as_deref());
     let all: Vec<Prompt> = prompts.values().filter_map(|p| p.as_ref().ok().cloned()).collect();
@@ -479,6 +481,13 @@ fn floor_for(h: &mut Harness, floors: &mut BTreeMap<String, Option<f32>>, prompt
     let floor = noise_floor(h, p, all).ok().flatten();
     floors.insert(base.to_string(), floor);
     floor
+}
+
+/// The ids of every prompt that encoded, by name, for the report (and its prompts snapshot).
+pub(crate) fn encoded_ids(
+    prompts: &BTreeMap<usize, std::result::Result<Prompt, String>>,
+) -> BTreeMap<String, Vec<u32>> {
+    prompts.values().filter_map(|p| p.as_ref().ok()).map(|p| (p.name.clone(), p.ids.clone())).collect()
 }
 
 /// Encode a suite prompt for this checkpoint, apply `length`, and check it fits the context

@@ -88,5 +88,33 @@ pub fn environment() -> Environment {
         device: device(),
         os: std::env::consts::OS.into(),
         arch: std::env::consts::ARCH.into(),
+        blas: blas(),
     }
+}
+
+/// OpenBLAS's configuration and the kernel it picked for this CPU (`OPENBLAS_CORETYPE`
+/// overrides it), or `None` when no OpenBLAS is loaded (macOS uses Accelerate).
+///
+/// Why it is recorded: OpenBLAS 0.3.21 (Debian 12) does not know newer Xeons (family 6 model
+/// 207) and runs its generic `Prescott` kernel on them, 2-3x slower than `SkylakeX`; a bench
+/// or a suite time means little without it.
+pub fn blas() -> Option<String> {
+    let symbol = |name: &std::ffi::CStr| {
+        // SAFETY: dlsym with RTLD_DEFAULT only looks a name up in the loaded objects.
+        let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+        (!f.is_null()).then_some(f)
+    };
+    let call = |f: *mut libc::c_void| -> Option<String> {
+        // SAFETY: both OpenBLAS functions take no argument and return a static C string.
+        let get = unsafe { std::mem::transmute::<*mut libc::c_void, extern "C" fn() -> *const libc::c_char>(f) };
+        let p = get();
+        // SAFETY: non-null pointers from OpenBLAS point to NUL-terminated static strings.
+        (!p.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().trim().to_string())
+    };
+    let config = call(symbol(c"openblas_get_config")?)?;
+    let core = symbol(c"openblas_get_corename").and_then(call);
+    Some(match core {
+        Some(core) if !config.contains(&core) => format!("{config} (core {core})"),
+        _ => config,
+    })
 }

@@ -45,17 +45,17 @@ fn snapshots_are_written_for_review_then_stable_once_accepted() {
     assert_eq!(code(&o), 2, "an --only that names nothing pending is an error: {}", text(&o));
     assert!(text(&o).contains("no pending snapshot of that name"), "{}", text(&o));
     assert_eq!(code(&parity(&["accept", dir.to_str().unwrap()])), 0);
-    assert_eq!(snapshots(&dir).len(), 4);
+    assert_eq!(snapshots(&dir).len(), 7, "4 scenario snapshots and each checkpoint's prompts");
     assert_eq!(code(&parity(&args)), 1, "the rejected one is new again");
     assert_eq!(code(&parity(&["accept", dir.to_str().unwrap(), "--only", "llama-tiny__single.snap"])), 0);
     let accepted = snapshots(&dir);
-    assert_eq!(accepted.len(), 5, "3 checkpoints x 2 scenarios, but the 8-bit one runs no rollback");
+    assert_eq!(accepted.len(), 8, "3 checkpoints x 2 scenarios, but the 8-bit one runs no rollback; 3 prompts");
     // A second run is byte-identical: exit 0, nothing new written.
     let o = parity(&args);
     assert_eq!(code(&o), 0, "{}", text(&o));
     assert_eq!(snapshots(&dir), accepted);
     // A changed snapshot is a failure and leaves a .snap.new next to it.
-    let (first, content) = &accepted[0];
+    let (first, content) = accepted.iter().find(|(p, _)| p.ends_with("llama-tiny__single.snap")).unwrap();
     std::fs::write(first, String::from_utf8_lossy(content).replace("identical", "near-tie")).unwrap();
     let o = parity(&args);
     assert_eq!(code(&o), 1, "{}", text(&o));
@@ -378,6 +378,15 @@ fn bench_against_mlx_lm_refuses_other_setups_and_fails_on_other_tokens() {
     assert!(text(&o).contains("generate_step (B=1)"), "{}", text(&o));
     assert!(!text(&o).contains("DIFFER"), "{}", text(&o));
 
+    // Another BLAS kernel (OpenBLAS's generic one on a CPU it does not know is 2-3x slower)
+    // would compare kernels, not engines.
+    if parity::runtime::blas().is_some() {
+        let mut other = baseline("cpu", 8, &three);
+        other["blas"] = serde_json::json!("OpenBLAS 0.0.1 NO_AFFINITY Imaginary MAX_THREADS=1");
+        let o = bench("1", &["--mlx-lm", write("blas", other).to_str().unwrap()]);
+        assert_eq!(code(&o), 2, "{}", text(&o));
+        assert!(text(&o).contains("OPENBLAS_CORETYPE"), "{}", text(&o));
+    }
     let gpu = write("gpu", baseline("gpu", 8, &three));
     let o = bench("1", &["--mlx-lm", gpu.to_str().unwrap()]);
     assert_eq!(code(&o), 2, "{}", text(&o));
@@ -444,4 +453,42 @@ fn bench_selects_paths_by_the_names_run_uses() {
     let o = bench(&["--backend", "fast"]);
     assert_eq!(code(&o), 2, "{}", text(&o));
     assert!(text(&o).contains("dense, paged, dense-rowwise, paged-rowwise"), "{}", text(&o));
+}
+
+/// Snapshots record each prompt's token ids (#17): when a prompt is edited, the review shows
+/// the input change (`tokens: 3` -> `tokens: 5`) beside the token changes it causes, instead of
+/// token changes that look like an engine regression.
+#[test]
+fn a_prompt_edit_shows_in_the_prompts_snapshot() {
+    let dir = common::scratch("cli-prompts-snapshot");
+    let suite = dir.join("suite.toml");
+    let write = |text: &str| {
+        let fixture = common::repo().join("fixtures/llama-tiny.toml");
+        let toml = format!(
+            "name = \"prompt-edit\"\ndtype = \"float32\"\nscenarios = [\"single\"]\n\n\
+             [settings]\nmax_tokens = 3\n\n[[prompts]]\nname = \"p\"\ntext = \"{text}\"\n\n\
+             [[checkpoints]]\npath = {:?}\n",
+            fixture.display().to_string()
+        );
+        std::fs::write(&suite, toml).unwrap();
+    };
+    let reports = dir.join("reports");
+    let run = || parity(&["run", suite.to_str().unwrap(), "--reports", reports.to_str().unwrap()]);
+    write("Paged KV");
+    let o = run();
+    assert!(text(&o).contains("new snapshot: ") && text(&o).contains("llama-tiny__prompts.snap"), "{}", text(&o));
+    assert_eq!(code(&parity(&["accept", reports.to_str().unwrap()])), 0);
+    let accepted = std::fs::read_to_string(reports.join("prompt-edit/llama-tiny__prompts.snap")).unwrap();
+    assert!(accepted.contains("  - name: p\n    tokens: "), "{accepted}");
+    assert_eq!(code(&run()), 0, "unchanged prompts, unchanged snapshot");
+
+    write("Paged KV caches, two sequences");
+    let o = run();
+    assert_eq!(code(&o), 1, "{}", text(&o));
+    assert!(text(&o).contains("changed snapshot: ") && text(&o).contains("llama-tiny__prompts.snap"), "{}", text(&o));
+    let o = parity(&["review", reports.to_str().unwrap(), "--only", "llama-tiny__prompts"]);
+    let review = text(&o);
+    let line = |sign: char| review.lines().find(|l| l.starts_with(&format!("{sign}    tokens: "))).map(str::to_string);
+    let (old, new) = (line('-').expect(&review), line('+').expect(&review));
+    assert_ne!(old[1..], new[1..], "the count moved: {review}");
 }

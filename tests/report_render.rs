@@ -100,6 +100,7 @@ fn checkpoint(name: &str, reference: &str, status: CheckpointStatus) -> Checkpoi
             vec![]
         },
         noise_floor: if ran { BTreeMap::from([("len37".to_string(), Some(3.2e-6))]) } else { BTreeMap::new() },
+        prompt_ids: if ran { BTreeMap::from([("len37".to_string(), vec![9707, 11, 1879])]) } else { BTreeMap::new() },
         engine: None,
         reference_engine: None,
         reference_path: None,
@@ -179,6 +180,7 @@ fn report() -> Report {
             device: "cpu".into(),
             os: "linux".into(),
             arch: "x86_64".into(),
+            blas: None,
         },
         shard: None,
         faults: vec![],

@@ -82,6 +82,10 @@ pub fn run(a: Args) -> Result<ExitCode> {
         a.reps,
         load_secs
     );
+    let blas = crate::runtime::blas();
+    if let Some(b) = &blas {
+        println!("BLAS {b}");
+    }
     // The mlx-lm baseline is checked before measuring: a side-by-side figure is only worth
     // printing for the same computation.
     let mlx_lm: Option<serde_json::Value> = match &a.mlx_lm {
@@ -113,6 +117,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "checkpoint": dir.display().to_string(),
             "mlx_version": crate::runtime::mlx_version(),
             "device": crate::runtime::device(),
+            "blas": blas,
             "dtype": model.dtype.name(),
             "dequantized": a.dequantize,
             "prompt_len": a.prompt_len,
@@ -154,6 +159,18 @@ fn check_baseline(v: &serde_json::Value, a: &Args, dtype: &str) -> Result<()> {
             a.decode,
             a.dequantize
         );
+    }
+    // The same BLAS kernel too: the generic one is 2-3x slower, so a ratio across kernels
+    // measures OpenBLAS's CPU detection, not the engines. A baseline that names only the
+    // library (older bench_mlx_lm.py) is checked for the library.
+    let theirs = v["blas"].as_str().unwrap_or("");
+    if let Some(ours) = crate::runtime::blas() {
+        let differs = if theirs.starts_with("OpenBLAS") { theirs != ours } else { theirs == "netlib" };
+        if differs {
+            anyhow::bail!(
+                "measured on BLAS `{theirs}`, this run uses `{ours}` (set OPENBLAS_CORETYPE the same for both)"
+            );
+        }
     }
     for &b in &a.batch {
         let theirs = batch_entry(v, b).ok_or_else(|| {

@@ -105,7 +105,14 @@ fn header(out: &mut String, report: &Report) {
     item("parity", format!("{} <code>{}</code>", esc(&report.parity_version), esc(commit)));
     item(
         "MLX",
-        format!("{} on <b>{}</b> ({}/{})", esc(&env.mlx_version), esc(&env.device), esc(&env.os), esc(&env.arch)),
+        format!(
+            "{} on <b>{}</b> ({}/{}){}",
+            esc(&env.mlx_version),
+            esc(&env.device),
+            esc(&env.os),
+            esc(&env.arch),
+            env.blas.as_ref().map(|b| format!(", BLAS {}", esc(b))).unwrap_or_default()
+        ),
     );
     if let Some(s) = report.shard {
         item("shard", format!("{}/{}", s.index, s.count));

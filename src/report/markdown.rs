@@ -31,6 +31,9 @@ pub fn render(report: &Report) -> String {
         env.os,
         env.arch
     );
+    if let Some(blas) = &env.blas {
+        let _ = write!(meta, ", BLAS {}", code(blas));
+    }
     if let Some(shard) = report.shard {
         let _ = write!(meta, ", shard {}/{}", shard.index, shard.count);
     }

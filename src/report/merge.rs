@@ -191,6 +191,9 @@ fn merge_checkpoint(parts: &[&CheckpointReport]) -> Option<CheckpointReport> {
                 None => phases.push(p.clone()),
             }
         }
+        for (prompt, ids) in &c.prompt_ids {
+            out.prompt_ids.entry(prompt.clone()).or_insert_with(|| ids.clone());
+        }
         for (prompt, f) in &c.noise_floor {
             let e = floors.entry(prompt.clone()).or_insert(None);
             *e = match (*e, *f) {

@@ -45,6 +45,11 @@ pub struct Environment {
     pub device: String,
     pub os: String,
     pub arch: String,
+    /// The BLAS that ran MLX's CPU matmuls and the kernel it chose, when it says (OpenBLAS:
+    /// `OpenBLAS 0.3.21 ... Prescott`). Bit-identity between runs depends on it, and an
+    /// OpenBLAS that does not know the CPU falls back to a generic kernel 2-3x slower.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blas: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -90,6 +95,10 @@ pub struct CheckpointReport {
     pub phases: Vec<Phase>,
     /// Noise floor per prompt: the reference re-run in a different batch composition.
     pub noise_floor: BTreeMap<String, Option<f32>>,
+    /// Each prompt as this checkpoint's tokenizer encoded it (chat template and `length`
+    /// applied): a prompt or template edit shows here, beside the token changes it causes.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub prompt_ids: BTreeMap<String, Vec<u32>>,
     /// The engine that served the paths (absent when none started).
     #[serde(default)]
     pub engine: Option<crate::engine::EngineId>,

@@ -123,7 +123,34 @@ pub fn render(report: &Report) -> BTreeMap<String, String> {
         }
         out.insert(file_stem(&checkpoint, &scenario), s);
     }
+    for c in report.checkpoints.iter().filter(|c| c.status == CheckpointStatus::Ran && !c.prompt_ids.is_empty()) {
+        if report.rows.iter().any(|r| r.checkpoint == c.name) {
+            out.insert(file_stem(&c.name, PROMPTS), prompts(report, c));
+        }
+    }
     out
+}
+
+/// The stem suffix of a checkpoint's prompts snapshot (no scenario has this name).
+pub const PROMPTS: &str = "prompts";
+
+/// What each prompt was as token ids for this checkpoint: when a row's tokens change, the
+/// review shows beside it whether the input changed (a prompt, chat template or tokenizer
+/// edit) or the engine did.
+fn prompts(report: &Report, c: &super::CheckpointReport) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "---");
+    let _ = writeln!(s, "source: {}", yaml_str(&report.suite_file));
+    let _ = writeln!(s, "expression: {}", yaml_str(&format!("{} / {PROMPTS}", c.name)));
+    let _ = writeln!(s, "---");
+    let _ = writeln!(s, "checkpoint: {}", yaml_str(&c.name));
+    let _ = writeln!(s, "prompts:");
+    for (name, ids) in &c.prompt_ids {
+        let _ = writeln!(s, "  - name: {}", yaml_str(name));
+        let _ = writeln!(s, "    tokens: {}", ids.len());
+        let _ = writeln!(s, "    ids: {}", self::ids(ids));
+    }
+    s
 }
 
 /// The id of the row that line `at` (0-based) of a rendered snapshot belongs to, as every

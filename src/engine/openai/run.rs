@@ -52,6 +52,7 @@ pub(crate) fn run_checkpoint(
             });
         }
     }
+    report.prompt_ids = crate::run::encoded_ids(&prompts);
     let good: Vec<Prompt> = prompts.values().filter_map(|p| p.as_ref().ok().cloned()).collect();
 
     // References: the base prompts first (the prefix scenario continues after their answers),
