@@ -7,8 +7,8 @@ use parity::compare::{Choice, Verdict};
 use parity::report::diff::text_diff;
 use parity::report::merge::merge;
 use parity::report::{
-    CheckpointReport, CheckpointStatus, DivergenceReport, Environment, Phase, Report, Row, SCHEMA_VERSION, Shard,
-    StepPlace, Summary, html, junit, markdown, table,
+    ApiFacts, CheckpointReport, CheckpointStatus, DivergenceReport, Environment, Phase, Report, Row, SCHEMA_VERSION,
+    Shard, StepPlace, Summary, html, junit, markdown, table,
 };
 use parity::scenario::Settings;
 
@@ -414,4 +414,32 @@ fn text_diff_shortens_long_context() {
     assert!(d.starts_with("...word"), "{d}");
     assert!(d.ends_with(" [-one-]{+two+}"), "{d}");
     assert!(d.len() < 80, "{d}");
+}
+
+/// A server's row (kind = "openai") has no logits, only logprobs: its chart plots the largest
+/// |delta logprob| per step against the logprob tolerance (#16 left these rows without a curve,
+/// so the HTML report showed nothing for the engines users test most).
+#[test]
+fn html_draws_logprob_curves_for_server_rows() {
+    let mut r = report();
+    r.checkpoints[0].max_logprob_delta_tolerance = Some(0.1);
+    let mut api = row("qwen3-tiny", "single", "plain", "q8-kv", Verdict::Identical);
+    api.pass = false;
+    api.failure = Some("max |delta logprob| 1.26 > tolerance 0.1".into());
+    api.step_rel_rms = vec![];
+    api.max_rel_rms = None;
+    api.api = Some(ApiFacts {
+        max_logprob_delta: 1.26,
+        step_logprob_delta: vec![0.19, 1.26, 0.0, 0.4],
+        prompt_tokens: 37,
+        ..ApiFacts::default()
+    });
+    r.rows.push(api);
+    let page = html::render(&r);
+    let panel = &page[page.find("qwen3-tiny/len37/single:plain/q8-kv").expect("the row has a panel")..];
+    assert!(panel.contains("largest |Δ logprob| per step"), "a full chart of logprobs");
+    assert!(panel.contains("step 1: |Δ logprob| 1.260e0"), "each step's value in its tooltip");
+    assert!(panel.contains("<title>tolerance 1.0e-1</title>"), "the logprob tolerance, not the RMS one");
+    assert!(panel.contains("● |Δ logprob|"), "the legend names the curve");
+    assert!(page.contains("max |Δ logprob| 1.260e0"), "the small multiple's summary");
 }

@@ -1,8 +1,10 @@
-//! The per-step curve of one row as inline SVG, for the HTML report: relative logit RMS on a
-//! log axis, the tolerance as a line, the noise floor as a band, the first divergence marked,
-//! and the steps where the path crossed a block or tile boundary or was trimmed/rewound drawn
-//! as vertical guides. Each step carries a tooltip (`<title>`) with its RMS, KL and place, so
-//! the file needs no script.
+//! The per-step curve of one row as inline SVG, for the HTML report, on a log axis: relative
+//! logit RMS for step engines (they expose logits), the largest |delta logprob| over the top-k
+//! both sides returned for servers (kind = "openai": logprobs are all an API gives). The
+//! tolerance is a line, the noise floor a band, the first divergence marked, and the steps
+//! where the path crossed a block or tile boundary or was trimmed/rewound are vertical guides.
+//! Each step carries a tooltip (`<title>`) with its value, KL and place, so the file needs no
+//! script.
 //!
 //! Colours come from CSS classes of the page (light and dark themes); nothing here is a colour.
 
@@ -62,6 +64,42 @@ pub fn guides(layout: &[StepPlace], block_size: Option<usize>, tile: usize) -> V
     out
 }
 
+/// What a row's chart plots, per step, with the line and band it is judged against.
+pub struct Series {
+    pub values: Vec<Option<f32>>,
+    pub tolerance: Option<f32>,
+    pub floor: Option<f32>,
+    /// Short name for tooltips and the legend.
+    pub name: &'static str,
+    /// What the chart's title says it shows.
+    pub title: &'static str,
+}
+
+impl Series {
+    /// Relative logit RMS when the row has it, else the row's |delta logprob| per step (a
+    /// server's row), else nothing to draw (a row that never ran).
+    pub fn of(row: &Row, rms_tolerance: f32, logprob_tolerance: Option<f32>) -> Option<Series> {
+        let positive = |t: f32| (t > 0.0 && t.is_finite()).then_some(t);
+        if !row.step_rel_rms.is_empty() {
+            return Some(Series {
+                values: row.step_rel_rms.clone(),
+                tolerance: positive(rms_tolerance),
+                floor: row.noise_floor_rel_rms.filter(|f| *f > 0.0 && f.is_finite()),
+                name: "rel RMS",
+                title: "relative logit RMS per step",
+            });
+        }
+        let api = row.api.as_ref().filter(|a| !a.step_logprob_delta.is_empty())?;
+        Some(Series {
+            values: api.step_logprob_delta.iter().map(|&d| d.is_finite().then_some(d as f32)).collect(),
+            tolerance: logprob_tolerance.and_then(positive),
+            floor: None,
+            name: "|Δ logprob|",
+            title: "largest |Δ logprob| per step over the top-k both returned",
+        })
+    }
+}
+
 /// The size of a chart: `Full` for a failing row's panel, `Small` for the small multiples.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Size {
@@ -71,7 +109,7 @@ pub enum Size {
 
 pub struct Chart<'a> {
     pub row: &'a Row,
-    pub tolerance: f32,
+    pub series: &'a Series,
     pub tile: usize,
     pub size: Size,
 }
@@ -81,20 +119,19 @@ const MAX_DECADES: i32 = 9;
 
 impl Chart<'_> {
     pub fn svg(&self) -> String {
-        let row = self.row;
+        let (row, series) = (self.row, self.series);
+        let values = &series.values;
         let full = self.size == Size::Full;
         let (w, h, left, right, top, bottom) =
             if full { (640.0, 220.0, 52.0, 12.0, 14.0, 30.0) } else { (260.0, 110.0, 40.0, 6.0, 8.0, 18.0) };
-        let n = row.step_rel_rms.len().max(1);
+        let n = values.len().max(1);
         let (plot_w, plot_h) = (w - left - right, h - top - bottom);
         let (x0, x1, y0, y1) = (N(left), N(w - right), N(top), N(top + plot_h));
         let x = |k: usize| N(left + if n == 1 { plot_w / 2.0 } else { plot_w * k as f64 / (n - 1) as f64 });
 
         // The y range: decades around every positive value, the tolerance and the floor.
-        let floor = row.noise_floor_rel_rms.filter(|f| *f > 0.0 && f.is_finite());
-        let tol = (self.tolerance > 0.0 && self.tolerance.is_finite()).then_some(self.tolerance);
-        let positives: Vec<f64> = row
-            .step_rel_rms
+        let (floor, tol) = (series.floor, series.tolerance);
+        let positives: Vec<f64> = values
             .iter()
             .flatten()
             .chain(floor.iter())
@@ -124,11 +161,8 @@ impl Chart<'_> {
             r#"<svg class="chart {}" viewBox="0 0 {w} {h}" width="{w}" height="{h}" role="img">"#,
             if full { "full" } else { "small" }
         );
-        let title = if full {
-            format!("relative logit RMS per step for {}", row.id())
-        } else {
-            format!("{}: {}", row.id(), summary(row))
-        };
+        let title =
+            if full { format!("{} for {}", series.title, row.id()) } else { format!("{}: {}", row.id(), summary(row)) };
         let _ = write!(s, "<title>{}</title>", super::html::esc(&title));
         // Noise floor band: everything below it is what two correct runs differ by.
         if let Some(f) = floor {
@@ -164,7 +198,7 @@ impl Chart<'_> {
             let _ = write!(s, r#"<text class="ty" x="{x1}" y="{}">step</text>"#, N(h - 3.0));
         }
         // Layout guides: each with its tooltip on the full chart, one path per kind on a small one.
-        let places = StepPlace::expand(&row.step_layout, row.step_rel_rms.len());
+        let places = StepPlace::expand(&row.step_layout, values.len());
         let guides = guides(&places, row.block_size, self.tile);
         for kind in [Guide::Trim, Guide::Block, Guide::Tile] {
             let mut d = String::new();
@@ -208,7 +242,7 @@ impl Chart<'_> {
         // The curve: NaN steps break it and are marked at the top.
         let mut path = String::new();
         let mut pen_up = true;
-        for (k, v) in row.step_rel_rms.iter().enumerate() {
+        for (k, v) in values.iter().enumerate() {
             match v {
                 Some(v) => {
                     let _ = write!(path, "{}{} {}", if pen_up { "M" } else { "L" }, x(k), y(f64::from(*v)));
@@ -222,8 +256,8 @@ impl Chart<'_> {
         }
         // Points with their tooltips on the full chart; the small multiples mark only NaN steps
         // (a hover there would cost more bytes than the curve).
-        for (k, v) in row.step_rel_rms.iter().enumerate() {
-            let tip = || super::html::esc(&tooltip(row, places.get(k), k));
+        for (k, v) in values.iter().enumerate() {
+            let tip = || super::html::esc(&tooltip(row, series, places.get(k), k));
             match (v, full) {
                 (Some(v), true) => {
                     let over = tol.is_some_and(|t| *v > t);
@@ -270,16 +304,19 @@ impl std::fmt::Display for N {
 
 /// The small chart's tooltip: the row's worst step and where it left its reference.
 fn summary(row: &Row) -> String {
-    let mut t = super::table::rms(row);
+    let mut t = match &row.api {
+        Some(api) if row.step_rel_rms.is_empty() => format!("max |Δ logprob| {:.3e}", api.max_logprob_delta),
+        _ => super::table::rms(row),
+    };
     if let Some(d) = &row.first_divergence {
         let _ = write!(t, "; first divergence at step {} (position {})", d.choice.step, d.position);
     }
     t
 }
 
-fn tooltip(row: &Row, place: Option<&StepPlace>, k: usize) -> String {
-    let mut t = format!("step {k}: rel RMS ");
-    match row.step_rel_rms.get(k).copied().flatten() {
+fn tooltip(row: &Row, series: &Series, place: Option<&StepPlace>, k: usize) -> String {
+    let mut t = format!("step {k}: {} ", series.name);
+    match series.values.get(k).copied().flatten() {
         Some(v) => {
             let _ = write!(t, "{v:.3e}");
         }

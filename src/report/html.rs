@@ -10,7 +10,7 @@
 
 use std::fmt::Write;
 
-use super::chart::{Chart, Size};
+use super::chart::{Chart, Series, Size};
 use super::snapshot::Change;
 use super::table::{counts, failing, first_line, groups, location, plural, rms, top2};
 use super::{CheckpointReport, CheckpointStatus, Report, Row};
@@ -297,9 +297,9 @@ fn panel(out: &mut String, i: usize, row: &Row, checkpoint: Option<&CheckpointRe
         let _ = write!(out, "<dt>notes</dt><dd>{}</dd>", esc(&row.notes.join("; ")));
     }
     out.push_str("</dl>\n");
-    if !row.step_rel_rms.is_empty() {
-        out.push_str(&chart(row, checkpoint, Size::Full));
-        out.push_str(LEGEND);
+    if let Some(series) = series(row, checkpoint) {
+        out.push_str(&chart(row, &series, checkpoint, Size::Full));
+        out.push_str(&legend(series.name));
     }
     tokens(out, row);
     if let (Some(r), Some(t)) = (&row.reference_text, &row.text)
@@ -314,15 +314,28 @@ fn panel(out: &mut String, i: usize, row: &Row, checkpoint: Option<&CheckpointRe
     out.push_str("</details>\n");
 }
 
-const LEGEND: &str = "<p class=\"legend\"><span class=\"k curve\">● rel RMS</span> \
-    <span class=\"k tol\">— tolerance</span> <span class=\"k floor\">▮ noise floor</span> \
-    <span class=\"k div\">◆ first divergence</span> <span class=\"k g-block\">┆ block</span> \
-    <span class=\"k g-tile\">┆ tile</span> <span class=\"k g-trim\">┆ trim/rewind</span></p>\n";
+/// The full chart's key: the curve is named for what it plots (a server row plots logprobs).
+fn legend(curve: &str) -> String {
+    format!(
+        "<p class=\"legend\"><span class=\"k curve\">● {curve}</span> \
+         <span class=\"k tol\">— tolerance</span> <span class=\"k floor\">▮ noise floor</span> \
+         <span class=\"k div\">◆ first divergence</span> <span class=\"k g-block\">┆ block</span> \
+         <span class=\"k g-tile\">┆ tile</span> <span class=\"k g-trim\">┆ trim/rewind</span></p>\n"
+    )
+}
 
-fn chart(row: &Row, checkpoint: Option<&CheckpointReport>, size: Size) -> String {
-    let tolerance = checkpoint.map_or(0.0, |c| c.max_rel_rms_tolerance);
+/// What the row's chart plots, or `None` when it has nothing per step (it never ran).
+fn series(row: &Row, checkpoint: Option<&CheckpointReport>) -> Option<Series> {
+    Series::of(
+        row,
+        checkpoint.map_or(0.0, |c| c.max_rel_rms_tolerance),
+        checkpoint.and_then(|c| c.max_logprob_delta_tolerance),
+    )
+}
+
+fn chart(row: &Row, series: &Series, checkpoint: Option<&CheckpointReport>, size: Size) -> String {
     let tile = checkpoint.map_or(0, |c| c.settings.tile);
-    Chart { row, tolerance, tile, size }.svg()
+    Chart { row, series, tile, size }.svg()
 }
 
 /// Reference and path tokens, step by step; the steps where they differ are marked with a
@@ -362,12 +375,12 @@ fn multiples(out: &mut String, report: &Report, groups: &[Vec<&Row>]) {
             esc(&g[0].backend),
             esc(&counts(g.iter().copied()))
         );
-        if st == Status::Skip && g.iter().all(|r| r.case == "*") && g.iter().all(|r| r.step_rel_rms.is_empty()) {
+        let checkpoint = report.checkpoints.iter().find(|c| c.name == g[0].checkpoint);
+        if st == Status::Skip && g.iter().all(|r| r.case == "*") && g.iter().all(|r| series(r, checkpoint).is_none()) {
             // An absent checkpoint: said once under Checkpoints.
             let _ = writeln!(out, "{head}</details>");
             continue;
         }
-        let checkpoint = report.checkpoints.iter().find(|c| c.name == g[0].checkpoint);
         let _ = writeln!(out, "{head}<div class=\"multiples\">");
         for row in g {
             let index = report.rows.iter().position(|r| std::ptr::eq(r, *row)).unwrap_or(0);
@@ -384,11 +397,12 @@ fn multiples(out: &mut String, report: &Report, groups: &[Vec<&Row>]) {
                 esc(&title),
                 verdict_badge(row)
             );
-            if row.step_rel_rms.is_empty() {
-                let why = row.failure.as_deref().or(row.notes.first().map(String::as_str));
-                let _ = write!(out, "<p class=\"why\">{}</p>", esc(first_line(why)));
-            } else {
-                out.push_str(&chart(row, checkpoint, Size::Small));
+            match series(row, checkpoint) {
+                Some(s) => out.push_str(&chart(row, &s, checkpoint, Size::Small)),
+                None => {
+                    let why = row.failure.as_deref().or(row.notes.first().map(String::as_str));
+                    let _ = write!(out, "<p class=\"why\">{}</p>", esc(first_line(why)));
+                }
             }
             out.push_str("</figure>\n");
         }
