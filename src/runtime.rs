@@ -28,8 +28,9 @@ pub fn mlx_version() -> String {
 /// Which MLX device computes. `Auto` keeps MLX's choice: the GPU where Metal is available
 /// (Apple Silicon), else the CPU. Pinning `Cpu` on a Mac is what makes `cargo test` there check
 /// the same accepted CPU snapshots and mlx-lm references as Linux CI does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeviceChoice {
+    #[default]
     Auto,
     Cpu,
     Gpu,

@@ -315,7 +315,7 @@ fn a_prompt_longer_than_the_context_fails_only_its_own_rows() {
 #[test]
 fn device_gpu_runs_there_or_fails_loudly() {
     let args = ["generate", "fixtures/llama-tiny.toml", "--prompt", "hi", "--max-tokens", "2", "--json"];
-    let o = command().arg("--device").arg("gpu").args(args).output().expect("run parity");
+    let o = command().args(args).args(["--device", "gpu"]).output().expect("run parity");
     if code(&o) == 0 {
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(v["device"], "gpu", "{}", text(&o));
@@ -326,6 +326,13 @@ fn device_gpu_runs_there_or_fails_loudly() {
     let o = command().env("PARITY_DEVICE", "tpu").args(args).output().expect("run parity");
     assert_eq!(code(&o), 2);
     assert!(text(&o).contains("unknown device `tpu`"), "{}", text(&o));
+    // Commands that compute nothing have no --device (#17), and ignore PARITY_DEVICE.
+    let empty = common::scratch("cli-device-review");
+    let o = parity(&["review", empty.to_str().unwrap(), "--device", "gpu"]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("unexpected argument '--device'"), "{}", text(&o));
+    let o = command().env("PARITY_DEVICE", "tpu").args(["review", empty.to_str().unwrap()]).output().unwrap();
+    assert_eq!(code(&o), 0, "{}", text(&o));
 }
 
 /// `parity bench --mlx-lm` compares engines, so it refuses a baseline measured on another

@@ -12,6 +12,8 @@ use crate::model::Model;
 /// an engine adapter, used as `command = ["{parity}", "adapter", "{model}"]` in a suite.
 #[derive(ClapArgs)]
 pub struct Args {
+    #[command(flatten)]
+    pub device: super::DeviceArg,
     /// Checkpoint: a directory, a Hugging Face repo id in the local cache, or a fixture spec.
     pub checkpoint: String,
     /// The builtin path this adapter serves: a KV backend, batched or row-by-row attention.

@@ -16,6 +16,8 @@ use crate::model::Model;
 
 #[derive(ClapArgs)]
 pub struct Args {
+    #[command(flatten)]
+    pub device: super::DeviceArg,
     /// Checkpoint directory or Hugging Face repo id.
     checkpoint: String,
     /// Paths to measure, repeatable or comma separated, as `parity run --backend` names them:

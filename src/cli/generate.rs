@@ -14,6 +14,8 @@ use crate::scenario::Settings;
 
 #[derive(ClapArgs)]
 pub struct Args {
+    #[command(flatten)]
+    pub device: super::DeviceArg,
     /// Checkpoint directory or Hugging Face repo id (resolved offline in the local HF cache).
     checkpoint: String,
     /// Prompt text.

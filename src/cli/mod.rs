@@ -12,7 +12,7 @@ mod selftest;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args as ClapArgs, Parser, Subcommand};
 
 use crate::runtime::{self, DeviceChoice};
 
@@ -66,15 +66,21 @@ Docs: README.md; the step protocol for engine adapters: docs/step-protocol.md";
 #[command(after_help = AFTER_HELP)]
 #[command(name = "parity", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("PARITY_GIT_COMMIT"), ")"), about = "Prove an MLX engine's paged KV-cache decode path matches its dense path")]
 struct Cli {
-    /// MLX device: auto (the GPU on Apple Silicon, else the CPU), cpu or gpu. Reports record it,
-    /// and GPU snapshots live apart from CPU ones (reports/<suite>/gpu/).
-    #[arg(long, global = true, env = "PARITY_DEVICE", default_value = "auto", value_name = "DEVICE")]
-    device: DeviceChoice,
     /// Colour: auto (a terminal and NO_COLOR unset), always or never.
     #[arg(long, global = true, default_value = "auto", value_name = "WHEN")]
     color: ColorChoice,
     #[command(subcommand)]
     command: Command,
+}
+
+/// `--device`, on the commands that compute (generate, run, selftest, bench, adapter) and only
+/// there: a flag a command ignores would let `parity review --device gpu` look meaningful.
+#[derive(ClapArgs, Clone, Copy, Default)]
+pub struct DeviceArg {
+    /// MLX device: auto (the GPU on Apple Silicon, else the CPU), cpu or gpu. Reports record it,
+    /// and GPU snapshots live apart from CPU ones (reports/<suite>/gpu/).
+    #[arg(long, env = "PARITY_DEVICE", default_value = "auto", value_name = "DEVICE")]
+    pub device: DeviceChoice,
 }
 
 #[derive(Subcommand)]
@@ -112,11 +118,17 @@ pub fn main() -> ExitCode {
     let _ = COLOR.set(cli.color);
     // Only the commands that compute touch the device: merging or reviewing reports on a
     // Linux box must not fail because the environment asks for the GPU.
-    let computes = matches!(
-        cli.command,
-        Command::Generate(_) | Command::Run(_) | Command::Selftest(_) | Command::Bench(_) | Command::Adapter(_)
-    );
-    if computes && let Err(e) = runtime::use_device(cli.device) {
+    let device = match &cli.command {
+        Command::Generate(a) => Some(a.device),
+        Command::Run(a) => Some(a.common.device),
+        Command::Selftest(a) => Some(a.common.device),
+        Command::Bench(a) => Some(a.device),
+        Command::Adapter(a) => Some(a.device),
+        Command::Inspect(_) | Command::Review(_) | Command::Accept(_) | Command::Reject(_) | Command::Merge(_) => None,
+    };
+    if let Some(d) = device
+        && let Err(e) = runtime::use_device(d.device)
+    {
         eprintln!("error: {e}");
         return ExitCode::from(EXIT_USAGE);
     }

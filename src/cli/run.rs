@@ -45,6 +45,8 @@ pub struct Args {
 /// Options shared by `run` and `selftest`.
 #[derive(ClapArgs, Clone, Default)]
 pub struct CommonArgs {
+    #[command(flatten)]
+    pub device: super::DeviceArg,
     /// Write the full machine report (JSON) here.
     #[arg(long)]
     pub json: Option<PathBuf>,
