@@ -1,0 +1,156 @@
+//! What a run selects (`--filter`, `--scenario`, `--backend`): which rows and units, refused
+//! before any work when it names nothing the suite has, and said plainly when a run selected
+//! no row (a run that selects nothing never passes: `git bisect run` relies on it).
+
+use std::collections::BTreeMap;
+
+use super::rows::empty_row;
+use super::{RunOptions, Unit};
+use crate::checkpoint::ModelConfig;
+use crate::compare::Verdict;
+use crate::engine::{self};
+use crate::faults::Faults;
+use crate::report::{Row, row_id};
+use crate::scenario::{Harness, Prompt};
+use crate::suite::{CheckpointSpec, Suite};
+
+/// `--filter`: a row is selected when its id (`Row::id`) contains the text. Rows standing for
+/// a whole unit of a prompt (case `*`: the checkpoint is absent, the prompt does not encode)
+/// are selected by an id of any case of that unit.
+#[derive(Clone, Copy)]
+pub(super) struct Filter<'a>(pub(super) Option<&'a str>);
+
+impl Filter<'_> {
+    pub(super) fn selects(&self, id: &str) -> bool {
+        self.0.is_none_or(|f| id.contains(f))
+    }
+
+    pub(super) fn selects_row(&self, row: &Row) -> bool {
+        let id = row.id();
+        if row.case != "*" {
+            return self.selects(&id);
+        }
+        self.0.is_none_or(|f| {
+            // `ck/p/sc:case/path` -> `ck/p/sc:*/path`, to compare with a `*` row's id.
+            let any_case = match (f.find(':'), f.rfind('/')) {
+                (Some(colon), Some(slash)) if slash > colon => format!("{}*{}", &f[..=colon], &f[slash..]),
+                _ => f.to_string(),
+            };
+            id.contains(f) || id.contains(&any_case)
+        })
+    }
+}
+
+/// `--filter` on a row an engine built itself (kind = "openai" plans its own units).
+pub(crate) fn selected(opts: &RunOptions, row: &Row) -> bool {
+    Filter(opts.filter.as_deref()).selects_row(row)
+}
+
+/// Whether unit `u` yields a row `filter` selects. Scenarios name each row (prompt, case)
+/// before they touch an engine, so running them against a stand-in that records what is
+/// wanted and lets nothing run names exactly the rows a real run would make: the plan and the
+/// run cannot disagree.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn unit_selected(
+    spec: &CheckpointSpec,
+    u: &Unit,
+    suite: &Suite,
+    prompts: &BTreeMap<usize, std::result::Result<Prompt, String>>,
+    all: &[Prompt],
+    filter: Filter,
+    pad: u32,
+    config: &ModelConfig,
+) -> bool {
+    let (ck, sc, path) = (spec.name.as_str(), u.scenario.name(), u.path.as_str());
+    let failed_prompt = u.prompts.iter().any(|p| {
+        prompts[p].is_err()
+            && filter.selects_row(&empty_row(spec, &suite.prompts[*p].name, u.scenario, "*", path, Verdict::Error))
+    });
+    if failed_prompt {
+        return true;
+    }
+    let mut stand_in = engine::Planning::new(config.vocab_size);
+    let mut reference = engine::Planning::new(config.vocab_size);
+    let found = std::cell::Cell::new(false);
+    let mut h = Harness::new(&mut reference, spec.settings.clone(), Faults::NONE, pad);
+    h.select(Some(Box::new(|prompt: &str, case: &str| {
+        if filter.selects(&row_id(ck, prompt, sc, case, path)) {
+            found.set(true);
+        }
+        false
+    })));
+    let mine: Vec<Prompt> =
+        all.iter().filter(|p| u.prompts.iter().any(|&i| suite.prompts[i].name == p.name)).cloned().collect();
+    let _ = u.scenario.run(&mut h, &mut stand_in, &mine);
+    drop(h);
+    found.get()
+}
+
+/// Refuse, before any work, a `--scenario` or `--backend` that no checkpoint of the suite has.
+pub fn check_selection(suite: &Suite, opts: &RunOptions) -> std::result::Result<(), String> {
+    let has = |f: &dyn Fn(&CheckpointSpec) -> Vec<String>| -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for c in &suite.checkpoints {
+            for n in f(c) {
+                if !names.contains(&n) {
+                    names.push(n);
+                }
+            }
+        }
+        names
+    };
+    let scenarios = has(&|c| c.scenarios.iter().map(|s| s.name().to_string()).collect());
+    for s in opts.scenarios.iter().flatten() {
+        if !scenarios.iter().any(|x| x == s.name()) {
+            return Err(format!(
+                "--scenario {}: suite {} does not run it (it runs {})",
+                s.name(),
+                suite.file.display(),
+                scenarios.join(", ")
+            ));
+        }
+    }
+    let paths = has(&|c| c.paths.clone());
+    for b in opts.backends.iter().flatten() {
+        if !paths.contains(b) {
+            return Err(format!(
+                "--backend {b}: suite {} has no such path (it has {})",
+                suite.file.display(),
+                paths.join(", ")
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Why a run produced no row, with what the suite has, so the next try can hit.
+pub fn nothing_selected(suite: &Suite, opts: &RunOptions) -> String {
+    let mut asked = Vec::new();
+    if let Some(f) = &opts.filter {
+        asked.push(format!("--filter {f}"));
+    }
+    for s in opts.scenarios.iter().flatten() {
+        asked.push(format!("--scenario {}", s.name()));
+    }
+    for b in opts.backends.iter().flatten() {
+        asked.push(format!("--backend {b}"));
+    }
+    if let Some(s) = opts.shard {
+        asked.push(format!("--shard {}/{}", s.index, s.count));
+    }
+    let example = suite.checkpoints.first().and_then(|c| {
+        let p = suite.prompts.iter().find(|p| c.prompts.contains(&p.name))?;
+        let path = c.paths.first()?;
+        Some(row_id(&c.name, &p.name, "single", "plain", path))
+    });
+    let list = |v: Vec<&str>| v.join(", ");
+    format!(
+        "{} selects no row of suite {}. Row ids are checkpoint/prompt/scenario:case/path{}, as every report prints them; \
+         checkpoints: {}; prompts: {}",
+        if asked.is_empty() { "the suite".to_string() } else { asked.join(" ") },
+        suite.file.display(),
+        example.map(|e| format!(" (e.g. {e})")).unwrap_or_default(),
+        list(suite.checkpoints.iter().map(|c| c.name.as_str()).collect()),
+        list(suite.prompts.iter().map(|p| p.name.as_str()).collect()),
+    )
+}
