@@ -196,3 +196,101 @@ fn snapshot_update_variables_are_understood_or_refused_by_name() {
     let force: parity::report::snapshot::UpdateMode = "force".parse().expect("force");
     assert_eq!(force, parity::report::snapshot::UpdateMode::Always);
 }
+
+/// The README's "Using it" block, run as written (#17: copy-paste commands from the README
+/// must work). Each line runs in a scratch copy of the repository's layout (suites, fixtures,
+/// committed reports, `../shared`), so the reports it writes land there. Changes made to the
+/// block, for time: `parity bench` gets `--reps 1 --decode 4 --prompt-len 16 --dequantize`
+/// appended (as written it measures for minutes), and `parity selftest` is left to `.ci/run`,
+/// which runs it anyway. Lines about checkpoints this machine does not have must say so (exit
+/// 2, "not found locally"), as the README promises for absent repo ids.
+#[test]
+fn the_readme_usage_block_runs_as_written() {
+    let repo = common::repo();
+    let readme = std::fs::read_to_string(repo.join("README.md")).unwrap();
+    let block: Vec<&str> = readme
+        .split("## Using it")
+        .nth(1)
+        .and_then(|s| s.split("```sh\n").nth(1))
+        .and_then(|s| s.split("```").next())
+        .expect("the usage block")
+        .lines()
+        .collect();
+    assert!(block.len() >= 10, "{block:?}");
+
+    let root = common::scratch("workflow-readme");
+    let here = root.join("repo");
+    std::fs::create_dir_all(here.join("reports")).unwrap();
+    std::os::unix::fs::symlink(repo.join("suites"), here.join("suites")).unwrap();
+    std::os::unix::fs::symlink(repo.join("fixtures"), here.join("fixtures")).unwrap();
+    std::os::unix::fs::symlink(common::shared(), root.join("shared")).unwrap();
+    for suite in ["qwen3", "llama3", "fixtures"] {
+        let to = here.join("reports").join(suite);
+        std::fs::create_dir_all(&to).unwrap();
+        for e in std::fs::read_dir(repo.join("reports").join(suite)).unwrap().flatten() {
+            if e.path().extension().is_some_and(|x| x == "snap") {
+                std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+            }
+        }
+    }
+    let summary = root.join("step-summary.md");
+
+    for line in block {
+        let command_text = line.split("  #").next().unwrap_or_default().trim();
+        for part in command_text.split("&&") {
+            let mut args = words(part.trim(), &summary);
+            assert_eq!(args.first().map(String::as_str), Some("parity"), "{line}");
+            args.remove(0);
+            if args[0] == "selftest" {
+                // `.ci/run` runs it right after the tests (`parity selftest suites/fixtures.toml`,
+                // the default suite spelled out) and tests/selftest.rs checks its table.
+                let ci = std::fs::read_to_string(repo.join(".ci/run")).unwrap();
+                assert!(ci.contains("parity selftest suites/fixtures.toml"), "{ci}");
+                continue;
+            }
+            if args[0] == "bench" {
+                let short = ["--reps", "1", "--decode", "4", "--prompt-len", "16", "--dequantize"];
+                args.extend(short.map(String::from));
+            }
+            let t = Instant::now();
+            let o = command().current_dir(&here).args(&args).stdin(Stdio::null()).output().expect("run parity");
+            eprintln!("{:6.1}s  {}", t.elapsed().as_secs_f64(), part.trim());
+            let absent = text(&o).contains("not found locally");
+            assert!(code(&o) == 0 || (code(&o) == 2 && absent), "`{part}` exited {}: {}", code(&o), text(&o));
+        }
+    }
+    for written in ["r.json", "r.xml", "report.html"] {
+        assert!(here.join(written).is_file(), "{written} was written");
+    }
+    assert!(std::fs::read_to_string(&summary).unwrap().contains("passed"), "the Markdown summary");
+}
+
+/// Shell words of one README command: whitespace-separated, double quotes removed, and
+/// `$GITHUB_STEP_SUMMARY` (the one variable the block uses) pointed at `summary`.
+fn words(command: &str, summary: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let (mut word, mut quoted, mut started) = (String::new(), false, false);
+    for c in command.chars() {
+        match c {
+            '"' => {
+                quoted = !quoted;
+                started = true;
+            }
+            c if c.is_whitespace() && !quoted => {
+                if started {
+                    out.push(std::mem::take(&mut word));
+                }
+                started = false;
+            }
+            c => {
+                word.push(c);
+                started = true;
+            }
+        }
+    }
+    if started {
+        out.push(word);
+    }
+    let summary = summary.to_string_lossy();
+    out.into_iter().map(|w| w.replace("$GITHUB_STEP_SUMMARY", &summary)).collect()
+}
