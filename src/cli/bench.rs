@@ -96,7 +96,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
-            check_baseline(&v, &a, model.dtype.name())
+            check_baseline(&v, &a, model.dtype.name(), blas.as_deref())
                 .with_context(|| format!("{} does not match this run", p.display()))?;
             Some(v)
         }
@@ -142,7 +142,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
 /// A baseline is comparable only if it measured the same computation: prompt and decode
 /// length, dtype, dequantization, device (a GPU baseline against a CPU run would compare
 /// machines, not engines) and, for every batch size benched here, the same ragged lengths.
-fn check_baseline(v: &serde_json::Value, a: &Args, dtype: &str) -> Result<()> {
+fn check_baseline(v: &serde_json::Value, a: &Args, dtype: &str, blas: Option<&str>) -> Result<()> {
     let device = crate::runtime::device();
     let dequantized = v["dequantized"].as_bool().unwrap_or(false);
     if v["prompt_len"].as_u64() != Some(a.prompt_len as u64)
@@ -166,7 +166,7 @@ fn check_baseline(v: &serde_json::Value, a: &Args, dtype: &str) -> Result<()> {
     // measures OpenBLAS's CPU detection, not the engines. A baseline that names only the
     // library (older bench_mlx_lm.py) is checked for the library.
     let theirs = v["blas"].as_str().unwrap_or("");
-    if let Some(ours) = crate::runtime::blas() {
+    if let Some(ours) = blas {
         let differs = if theirs.starts_with("OpenBLAS") { theirs != ours } else { theirs == "netlib" };
         if differs {
             anyhow::bail!(
