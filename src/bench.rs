@@ -6,12 +6,12 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::engine::builtin::{Builtin, BuiltinPath};
+use crate::engine::builtin::Builtin;
 use crate::error::Result;
 use crate::faults::Faults;
 use crate::kv::{Backend, KvCache, KvStats};
 use crate::model::{AttentionMode, Model, RowStep};
-use crate::scenario::Settings;
+use crate::vocab::{BuiltinPath, Settings};
 
 /// Prompt ids shared with `ci/bench_mlx_lm.py`, so both runtimes do the same computation.
 pub fn prompt_ids(len: usize, vocab: usize) -> Vec<u32> {

@@ -1,5 +1,7 @@
-//! Comparing a path with its reference: tokens, first divergence, per-step logit metrics and
-//! the verdict.
+//! Comparing a run with its reference, on what each kind of engine can show: a stepped path's
+//! full logits ([`compare`]) or a server's top-k logprobs ([`compare_logprobs`]). Both give
+//! tokens, the first divergence as a [`Choice`], per-step metrics and a verdict, and both
+//! adjudicate a flip by the one near-tie rule ([`Choice::near_tie`]).
 //!
 //! Logit metrics are reduced on the device over the full vocabulary row that selected each
 //! token; only a few scalars per step reach the host. At a divergence the top-k of both rows
@@ -8,43 +10,10 @@
 use mlx_rs::Array;
 use serde::{Deserialize, Serialize};
 
+use crate::array::host_f32;
 use crate::dtype::DtypeName;
-use crate::engine::{Trace, host_f32};
 use crate::error::{Error, Result};
-use crate::scenario::{PathTrace, StepLayout};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Verdict {
-    Identical,
-    NearTie,
-    Diverged,
-    Error,
-    Skipped,
-}
-
-impl Verdict {
-    pub fn name(self) -> &'static str {
-        match self {
-            Verdict::Identical => "identical",
-            Verdict::NearTie => "near-tie",
-            Verdict::Diverged => "diverged",
-            Verdict::Error => "error",
-            Verdict::Skipped => "skipped",
-        }
-    }
-
-    /// Severity for "worst of" aggregation: skipped < identical < near-tie < diverged < error.
-    pub fn rank(self) -> u8 {
-        match self {
-            Verdict::Skipped => 0,
-            Verdict::Identical => 1,
-            Verdict::NearTie => 2,
-            Verdict::Diverged => 3,
-            Verdict::Error => 4,
-        }
-    }
-}
+use crate::vocab::{LogprobTrace, PathTrace, Trace, Verdict};
 
 /// Per-step logit metrics, path `a` against reference `r` on the same vocabulary row.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -80,18 +49,35 @@ pub struct Choice {
     pub mutual_top_k: bool,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Divergence {
-    #[serde(flatten)]
-    pub choice: Choice,
-    pub layout: StepLayout,
+impl Choice {
+    /// The one near-tie rule: a flip is a near-tie when the reference's gap between the two
+    /// tokens is within the shift that can explain it, both tokens are in each other's top-k,
+    /// and the step moved no more than the tolerance allows (`shift_within_tolerance`): a flip
+    /// caused by a large shift is a divergence, however close the tokens were.
+    pub fn near_tie(&self, shift_within_tolerance: bool) -> bool {
+        self.mutual_top_k && self.reference_gap <= self.tie_threshold && shift_within_tolerance
+    }
+
+    fn verdict(&self, shift_within_tolerance: bool) -> Verdict {
+        if self.near_tie(shift_within_tolerance) { Verdict::NearTie } else { Verdict::Diverged }
+    }
+}
+
+/// Which of several comparisons speaks for a row: the worst verdict, among equals the earliest
+/// divergence, among full equals the last. `None` when there is nothing to choose from.
+pub fn worst<'a>(compared: impl IntoIterator<Item = (Verdict, Option<&'a Choice>)>) -> Option<usize> {
+    compared
+        .into_iter()
+        .enumerate()
+        .max_by_key(|(_, (verdict, choice))| (verdict.rank(), std::cmp::Reverse(choice.map_or(usize::MAX, |c| c.step))))
+        .map(|(i, _)| i)
 }
 
 /// The comparison of one path with its reference.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PathComparison {
     pub verdict: Verdict,
-    pub first_divergence: Option<Divergence>,
+    pub first_divergence: Option<Choice>,
     pub steps: Vec<StepMetrics>,
     pub max_rel_rms: f32,
     pub max_kl: f32,
@@ -183,22 +169,19 @@ pub fn compare(reference: &Trace, path: &PathTrace, dtype: DtypeName, tolerance:
             let magnitude = reference_top.first().map(|t| t.1.abs()).unwrap_or(0.0);
             let tie_threshold = m.max_abs.max(magnitude * epsilon(dtype));
             let mutual_top_k = reference_top.iter().any(|t| t.0 == a_tok) && top.iter().any(|t| t.0 == r_tok);
-            let near_tie = reference_gap <= tie_threshold && mutual_top_k && m.rel_rms <= tolerance;
-            verdict = if near_tie { Verdict::NearTie } else { Verdict::Diverged };
-            Some(Divergence {
-                choice: Choice {
-                    step,
-                    reference_token: r_tok,
-                    token: a_tok,
-                    reference_top,
-                    top,
-                    reference_gap,
-                    observed_shift: m.max_abs,
-                    tie_threshold,
-                    mutual_top_k,
-                },
-                layout: path.layout.get(step).copied().unwrap_or_default(),
-            })
+            let choice = Choice {
+                step,
+                reference_token: r_tok,
+                token: a_tok,
+                reference_top,
+                top,
+                reference_gap,
+                observed_shift: m.max_abs,
+                tie_threshold,
+                mutual_top_k,
+            };
+            verdict = choice.verdict(m.rel_rms <= tolerance);
+            Some(choice)
         }
     };
     // NaN anywhere (a poisoned row was read) is a divergence even if argmax happened to agree.
@@ -219,38 +202,6 @@ pub fn compare(reference: &Trace, path: &PathTrace, dtype: DtypeName, tolerance:
 /// `max` that lets NaN win, so a poisoned step is never hidden by a later clean one.
 pub fn nan_max(a: f32, b: f32) -> f32 {
     if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) }
-}
-
-/// The first step whose logits hold a NaN or an infinity, if any: one reduction on the device
-/// over every step, one small host copy.
-///
-/// A non-finite *reference* is not a KV bug (the reference reads no pool): the checkpoint or
-/// the runtime produces it, and blaming the pool would send an engineer to the wrong code.
-pub fn first_non_finite(logits: &[Array]) -> Result<Option<usize>> {
-    if logits.is_empty() {
-        return Ok(None);
-    }
-    let all = mlx_rs::ops::stack(logits, 0)?;
-    let finite = all.is_finite()?.all_axis(-1, false)?;
-    finite.eval()?;
-    Ok(finite.as_slice::<bool>().iter().position(|&ok| !ok))
-}
-
-/// [`first_non_finite`] as an error naming the step: `what` says whose logits they are.
-pub fn require_finite(what: &'static str, logits: &[Array]) -> Result<()> {
-    match first_non_finite(logits)? {
-        None => Ok(()),
-        Some(step) => Err(Error::NonFinite { what, step }),
-    }
-}
-
-/// What a request-level engine (kind = "openai") returns per generated token: the top-k
-/// `(token, logprob)` the server reported, sorted most probable first (ties by token id, as
-/// an argmax picks them). The greedy token is the first entry, whatever the server presented.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct LogprobTrace {
-    pub tokens: Vec<u32>,
-    pub steps: Vec<Vec<(u32, f64)>>,
 }
 
 /// Where two runs' logprobs first differ at all (bitwise suites say where and by how much).
@@ -275,8 +226,9 @@ pub struct LogprobComparison {
     pub first_difference: Option<FirstDifference>,
     pub tokens: Vec<u32>,
     pub reference_tokens: Vec<u32>,
-    /// The two sides generated different numbers of tokens (one stopped early) with every
-    /// shared step agreeing.
+    /// `(reference, path)` token counts when every shared step agrees but the lengths say the
+    /// two runs differ: the path stopped short of what it was asked for and the reference did
+    /// not, or it ran on where the reference stopped early. The length is then the divergence.
     pub length_mismatch: Option<(usize, usize)>,
 }
 
@@ -306,12 +258,16 @@ fn step_delta(step: usize, r: &[(u32, f64)], a: &[(u32, f64)]) -> (f64, Option<F
     (max, first)
 }
 
-/// Compare a request's logprobs with its reference's. A divergence is a near-tie when the
-/// reference's gap between the two tokens is within the shift observed at that step, both
-/// tokens are in each other's top-k, and the step's shift is within `tolerance` (a token flip
-/// caused by a large shift is a divergence). `bitwise`: any difference is reported as the
-/// first difference (the caller fails the row on it).
-pub fn compare_logprobs(reference: &LogprobTrace, path: &LogprobTrace, tolerance: f64) -> LogprobComparison {
+/// Compare a request's logprobs with its reference's; the request asked for `asked` tokens. A
+/// flip is adjudicated by [`Choice::near_tie`], with the shift observed at that step as its
+/// threshold. Any difference at all is reported as the first difference (a `bitwise` suite
+/// fails the row on it).
+pub fn compare_logprobs(
+    reference: &LogprobTrace,
+    path: &LogprobTrace,
+    tolerance: f64,
+    asked: usize,
+) -> LogprobComparison {
     let n = reference.steps.len().min(path.steps.len());
     let mut step_max_delta = Vec::with_capacity(n);
     let mut first_difference = None;
@@ -346,19 +302,16 @@ pub fn compare_logprobs(reference: &LogprobTrace, path: &LogprobTrace, tolerance
             mutual_top_k,
         }
     });
-    let verdict = match &first_divergence {
-        None => Verdict::Identical,
-        Some(c) => {
-            let near = c.mutual_top_k
-                && f64::from(c.reference_gap) <= f64::from(c.tie_threshold)
-                && step_max_delta[c.step] <= tolerance;
-            if near { Verdict::NearTie } else { Verdict::Diverged }
-        }
-    };
     let (lr, la) = (reference.tokens.len(), path.tokens.len());
-    // A path may be asked for fewer tokens than the reference (concurrent staggers lengths):
-    // only stopping short of what it was asked for is a mismatch, which the caller knows.
-    let length_mismatch = (first_divergence.is_none() && lr != la).then_some((lr, la));
+    // A request may be asked for fewer tokens than the reference (concurrent staggers
+    // lengths): only stopping short of what it was asked for is a mismatch.
+    let length_mismatch =
+        (first_divergence.is_none() && (la < asked.min(lr) || (la > lr && lr < asked))).then_some((lr, la));
+    let verdict = match &first_divergence {
+        None if length_mismatch.is_some() => Verdict::Diverged,
+        None => Verdict::Identical,
+        Some(c) => c.verdict(step_max_delta[c.step] <= tolerance),
+    };
     LogprobComparison {
         verdict,
         first_divergence,
@@ -385,7 +338,7 @@ mod tests {
     #[test]
     fn identical_logprobs_are_identical_with_no_difference() {
         let r = trace(&[&[(5, -0.1), (7, -2.5)], &[(9, -0.01), (5, -5.0)]]);
-        let c = compare_logprobs(&r, &r.clone(), 1e-3);
+        let c = compare_logprobs(&r, &r.clone(), 1e-3, 2);
         assert_eq!((c.verdict, c.max_delta, c.first_difference), (Verdict::Identical, 0.0, None));
     }
 
@@ -393,16 +346,16 @@ mod tests {
     fn a_flip_within_the_observed_shift_is_a_near_tie_and_a_large_one_diverges() {
         let r = trace(&[&[(5, -0.69), (7, -0.70)]]);
         let a = trace(&[&[(7, -0.6895), (5, -0.6905)]]);
-        let c = compare_logprobs(&r, &a, 2e-2);
+        let c = compare_logprobs(&r, &a, 2e-2, 1);
         let d = c.first_divergence.as_ref().expect("divergence");
         assert_eq!((d.step, d.reference_token, d.token), (0, 5, 7));
         assert!((f64::from(d.reference_gap) - 0.01).abs() < 1e-6);
         assert_eq!(c.verdict, Verdict::NearTie, "gap 0.01 <= shift 0.0105");
         let a = trace(&[&[(7, -0.1), (5, -3.0)]]);
-        assert_eq!(compare_logprobs(&r, &a, 1e-2).verdict, Verdict::Diverged);
+        assert_eq!(compare_logprobs(&r, &a, 1e-2, 1).verdict, Verdict::Diverged);
         // Not in the reference's top-k: never a near-tie.
         let a = trace(&[&[(8, -0.68), (5, -0.69)]]);
-        let c = compare_logprobs(&r, &a, 10.0);
+        let c = compare_logprobs(&r, &a, 10.0, 1);
         assert!(!c.first_divergence.as_ref().expect("div").mutual_top_k);
         assert_eq!(c.verdict, Verdict::Diverged);
     }
@@ -411,13 +364,13 @@ mod tests {
     fn the_first_difference_is_found_in_values_and_in_membership() {
         let r = trace(&[&[(5, -0.1), (7, -2.5)], &[(9, -0.01), (5, -5.0)]]);
         let a = trace(&[&[(5, -0.1), (7, -2.5)], &[(9, -0.01), (5, -5.000001)]]);
-        let c = compare_logprobs(&r, &a, 1e-3);
+        let c = compare_logprobs(&r, &a, 1e-3, 2);
         assert_eq!(c.verdict, Verdict::Identical);
         let d = c.first_difference.expect("difference");
         assert_eq!((d.step, d.token), (1, 5));
         assert!((c.max_delta - 1e-6).abs() < 1e-9);
         let a = trace(&[&[(5, -0.1), (8, -2.5)], &[(9, -0.01), (5, -5.0)]]);
-        let d = compare_logprobs(&r, &a, 1e-3).first_difference.expect("membership");
+        let d = compare_logprobs(&r, &a, 1e-3, 2).first_difference.expect("membership");
         assert_eq!((d.step, d.token, d.path), (0, 7, None));
     }
 }

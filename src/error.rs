@@ -24,7 +24,7 @@ pub enum Error {
     /// Every problem the loaders found in one pass; the first line is a complete sentence
     /// (reports show only it), one line per problem follows.
     #[error("{} with the tensors config.json describes (first: {})\n{}", count(problems.len()), first(problems), problem_list(problems))]
-    Checkpoint { dir: PathBuf, problems: Vec<crate::checkpoint::weights::Problem> },
+    Checkpoint { dir: PathBuf, problems: Vec<TensorProblem> },
 
     #[error("{file}: {message}")]
     Tokenizer { file: PathBuf, message: String },
@@ -84,11 +84,11 @@ fn count(n: usize) -> String {
     if n == 1 { "1 problem".into() } else { format!("{n} problems") }
 }
 
-fn first(p: &[crate::checkpoint::weights::Problem]) -> String {
+fn first(p: &[TensorProblem]) -> String {
     p.first().map(ToString::to_string).unwrap_or_default()
 }
 
-fn problem_list(p: &[crate::checkpoint::weights::Problem]) -> String {
+fn problem_list(p: &[TensorProblem]) -> String {
     p.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n")
 }
 
@@ -108,5 +108,25 @@ impl Error {
     }
     pub fn io(file: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io { file: file.into(), source }
+    }
+}
+
+/// One thing wrong with a checkpoint's tensors, by tensor name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorProblem {
+    pub tensor: String,
+    /// The file holding the tensor, when it exists.
+    pub file: Option<PathBuf>,
+    pub message: String,
+}
+
+impl std::fmt::Display for TensorProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "tensor `{}`: {}", self.tensor, self.message)?;
+        // The file name only: the directory is the checkpoint's, said once by the caller.
+        if let Some(name) = self.file.as_ref().and_then(|p| p.file_name()) {
+            write!(f, " (in {})", name.to_string_lossy())?;
+        }
+        Ok(())
     }
 }

@@ -10,6 +10,7 @@ use std::path::Path;
 
 use crate::checkpoint::weights::parse_header;
 use crate::checkpoint::{ModelConfig, QuantSpec, RopeScaling};
+use crate::vocab::{EngineSpec, ServerSpec};
 use crate::suite;
 
 /// Suite parser: errors carry a position inside the text; accepted suites hold only safe
@@ -55,13 +56,13 @@ pub fn suite(data: &[u8]) {
 
 /// What an accepted kind = "openai" engine must hold: path names that are safe file-name
 /// components (they name server logs and report ids) and a server parity may contact.
-fn openai_engine(engine: &suite::EngineSpec) {
-    let suite::EngineSpec::Openai(o) = engine else { return };
+fn openai_engine(engine: &EngineSpec) {
+    let EngineSpec::Openai(o) = engine else { return };
     for p in &o.paths {
         assert!(crate::names::check_component(&p.name).is_ok(), "unsafe path name {:?}", p.name);
     }
-    if let crate::engine::openai::spec::ServerSpec::Url(u) = &o.server {
-        assert!(crate::engine::openai::spec::loopback_url(u).is_ok(), "a server off loopback: {u}");
+    if let ServerSpec::Url(u) = &o.server {
+        assert!(suite::loopback_url(u).is_ok(), "a server off loopback: {u}");
     }
 }
 

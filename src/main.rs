@@ -1,3 +1,3 @@
 fn main() -> std::process::ExitCode {
-    parity::cli::main()
+    parity::main()
 }

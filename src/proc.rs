@@ -118,7 +118,6 @@ impl Tail {
 pub struct Child {
     inner: std::process::Child,
     pgid: i32,
-    program: String,
     tail: Arc<Mutex<Tail>>,
     stdin: Option<ChildStdin>,
     stdout: Option<std::process::ChildStdout>,
@@ -174,15 +173,7 @@ impl Child {
             }
         };
         let stdin = inner.stdin.take();
-        Ok(Child { inner, pgid, program, tail, stdin, stdout, exited: None })
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.pgid as u32
-    }
-
-    pub fn program(&self) -> &str {
-        &self.program
+        Ok(Child { inner, pgid, tail, stdin, stdout, exited: None })
     }
 
     /// Send one line (a newline is appended) to the child's stdin.
@@ -324,7 +315,7 @@ fn drain(from: impl Read + Send + 'static, tail: Arc<Mutex<Tail>>, log: Option<A
 /// (`blas_thread_shutdown_`) deadlocks when another thread of the process is inside a BLAS
 /// call (OpenMathLib/OpenBLAS#2270). parity computes with MLX (OpenBLAS on Linux) in one thread
 /// while starting adapters in another; that hung CI for 90 minutes
-/// (`tests/spawn_while_computing.rs`). Without hooks std uses `posix_spawn`, which runs no
+/// (`children_start_while_another_thread_multiplies_matrices` below). Without hooks std uses `posix_spawn`, which runs no
 /// fork handlers. The program is resolved here so a missing one is still a spawn error naming
 /// it, not a message from setpriv. Where `setpriv` is not installed, children still die with
 /// their group on every unwinding exit and on SIGINT/SIGTERM/SIGHUP, only not on SIGKILL.
@@ -467,5 +458,40 @@ mod tests {
         assert_eq!(resolve_program("../ci/mlx-lm", base), "/suites/../ci/mlx-lm");
         assert_eq!(resolve_program("python3", base), "python3");
         assert_eq!(resolve_program("/usr/bin/env", base), "/usr/bin/env");
+    }
+
+    /// Guards the CI hang of the step-protocol tests: a child spawned with `fork` while another
+    /// thread of the same process is inside an OpenBLAS call can deadlock in OpenBLAS's fork
+    /// handler (OpenMathLib/OpenBLAS#2270: `blas_thread_shutdown_` runs at every fork). parity
+    /// computes with MLX (OpenBLAS on Linux) in one thread while it starts adapters and servers
+    /// in another (tests do it all the time; so does a library user), so children must be
+    /// started without running fork handlers.
+    #[test]
+    fn children_start_while_another_thread_multiplies_matrices() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        crate::environment::use_device(crate::environment::DeviceChoice::Cpu).expect("the CPU is always there");
+        let stop = Arc::new(AtomicBool::new(false));
+        let busy = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let a = mlx_rs::random::normal::<f32>(&[384, 384], None, None, None).expect("normal");
+                while !stop.load(Ordering::Relaxed) {
+                    let c = a.matmul(&a).expect("matmul");
+                    c.eval().expect("eval");
+                }
+            })
+        };
+        let (done, finished) = mpsc::channel();
+        std::thread::spawn(move || {
+            for _ in 0..300 {
+                let mut child = spawn(&["true"], Stdout::Log);
+                child.stop(Duration::from_secs(5));
+            }
+            let _ = done.send(());
+        });
+        let outcome = finished.recv_timeout(Duration::from_secs(120));
+        stop.store(true, Ordering::Relaxed);
+        assert!(outcome.is_ok(), "spawning children while MLX computes hung (fork handlers deadlocked)");
+        busy.join().expect("compute thread");
     }
 }

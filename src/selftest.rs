@@ -5,12 +5,10 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::compare::Verdict;
 use crate::faults::{self, Fault, Faults};
 use crate::report::{Report, Row};
 use crate::run::{Progress, RunOptions, run_suite};
-use crate::scenario::{self, Scenario};
-use crate::suite::Suite;
+use crate::vocab::{self, Scenario, Suite, Verdict};
 
 /// What one fault did to one scenario.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -65,7 +63,7 @@ pub fn catching_scenarios(fault: Fault) -> &'static [Scenario] {
     match fault {
         Fault::RopeBatchAlias => &[Batch2, Concurrent, Prefix],
         Fault::PagedTrimNoop | Fault::RewindKeepsPosition => &[Padded, Rollback],
-        Fault::GatherOffByOne | Fault::StaleBlock => scenario::ALL,
+        Fault::GatherOffByOne | Fault::StaleBlock => vocab::STEP_LEVEL,
         Fault::PadUnmasked => &[Padded],
         Fault::BatchRowSwap => &[Batch2, Concurrent, Padded],
         Fault::CowSkipped => &[Prefix],

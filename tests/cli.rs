@@ -387,7 +387,7 @@ fn bench_against_mlx_lm_refuses_other_setups_and_fails_on_other_tokens() {
 
     // Another BLAS kernel (OpenBLAS's generic one on a CPU it does not know is 2-3x slower)
     // would compare kernels, not engines.
-    if parity::runtime::blas().is_some() {
+    if parity::blas().is_some() {
         let mut other = baseline("cpu", 8, &three);
         other["blas"] = serde_json::json!("OpenBLAS 0.0.1 NO_AFFINITY Imaginary MAX_THREADS=1");
         let o = bench("1", &["--mlx-lm", write("blas", other).to_str().unwrap()]);

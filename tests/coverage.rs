@@ -4,15 +4,16 @@
 
 mod common;
 
-use parity::engine::builtin::Builtin;
+use parity::Builtin;
 
-use parity::compare::Verdict;
-use parity::coverage;
+use parity::vocab::Verdict;
+use parity::vocab::audit;
 use parity::faults::Faults;
 use parity::kv::Backend;
 use parity::report::Row;
-use parity::run::{NoProgress, RunOptions, run_suite};
-use parity::scenario::{Harness, Prompt, Scenario, Settings};
+use parity::{NoProgress, RunOptions, run_suite};
+use parity::Setup;
+use parity::vocab::{Prompt, Scenario, Settings};
 
 fn run(prompts: &str, scenarios: &str, settings: &str) -> Vec<Row> {
     common::cpu();
@@ -23,7 +24,7 @@ fn run(prompts: &str, scenarios: &str, settings: &str) -> Vec<Row> {
         fixture.display()
     );
     let file = common::scratch("coverage").join("cov.toml");
-    let suite = parity::suite::parse(&file, &text).expect("suite parses");
+    let suite = parity::parse_suite(&file, &text).expect("suite parses");
     let report = run_suite(&suite, &RunOptions::default(), &NoProgress);
     assert_eq!(report.summary.failed, 0, "{:#?}", report.rows.iter().filter(|r| !r.pass).collect::<Vec<_>>());
     report.rows
@@ -103,15 +104,16 @@ fn the_concurrent_schedule_replay_matches_the_scenario() {
         s.concurrent.max_batch = max_batch;
         let mut reference = Builtin::new(&model, Backend::Dense, &s);
         let mut path = Builtin::new(&model, Backend::Paged, &s);
-        let mut h = Harness::new(&mut reference, s.clone(), Faults::NONE, 0);
-        let out = Scenario::Concurrent.run(&mut h, &mut path, &prompts);
-        assert!(out.iter().all(|c| c.outcome == parity::scenario::Outcome::Ran), "concurrent runs");
+        let mut h = Setup::new(&mut reference, s.clone(), Faults::NONE, 0);
+        let out = parity::run_scenario(Scenario::Concurrent, &mut h, &mut path, &prompts);
+        assert!(out.iter().all(|c| c.outcome == parity::Outcome::Ran), "concurrent runs");
         let note = out[0].notes.iter().find(|n| n.contains("peak batch")).expect("peak batch note");
         let peak: usize = note.rsplit(' ').next().and_then(|x| x.parse().ok()).expect("a number");
-        let replayed = coverage::concurrent_peak_batch(&s);
+        let replayed = audit::concurrent_peak_batch(&s);
         assert_eq!(replayed.min(2), peak.min(2), "{requests} {arrivals:?} {max_batch} {max_tokens}: {note}");
-        // And a schedule that never batches is a skipped row at run time, not a pass.
-        let skip = coverage::skip_reason(Scenario::Concurrent, Backend::Paged, &out[0], &s);
-        assert_eq!(skip.is_some(), peak < 2, "{skip:?}");
+        // And a schedule that never batches is a skipped row at run time (the judge audits
+        // every row's settings again), not a pass.
+        let problems = audit::settings_problems(&s, &[Scenario::Concurrent], &[Backend::Paged], None);
+        assert_eq!(!problems.is_empty(), peak < 2, "{problems:?}");
     }
 }

@@ -11,10 +11,10 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use parity::compare::Verdict;
+use parity::vocab::Verdict;
 use parity::faults;
 use parity::report::Report;
-use parity::run::{NoProgress, RunOptions, run_suite};
+use parity::{NoProgress, RunOptions, run_suite};
 use parity::selftest;
 
 const PARITY: &str = env!("CARGO_BIN_EXE_parity");
@@ -55,7 +55,7 @@ fn adapter_engine(dense_relay: &[&str], paged_relay: &[&str], timeout: f64) -> S
 
 fn run(file: &Path, opts: &RunOptions) -> Report {
     common::cpu();
-    let suite = parity::suite::load(file).unwrap_or_else(|e| panic!("{e}"));
+    let suite = parity::load_suite(file).unwrap_or_else(|e| panic!("{e}"));
     run_suite(&suite, opts, &NoProgress)
 }
 
@@ -86,7 +86,7 @@ fn the_fixture_suite_through_parity_adapter_is_bit_identical_to_builtin() {
 fn every_planted_fault_is_caught_through_the_protocol() {
     let file = fixture_suite("protocol-selftest", &adapter_engine(&[], &[], 120.0));
     common::cpu();
-    let suite = parity::suite::load(&file).expect("suite");
+    let suite = parity::load_suite(&file).expect("suite");
     let opts = RunOptions { filter: Some("llama-tiny/".into()), ..RunOptions::default() };
     let (report, _) = selftest::selftest(&suite, &opts, faults::ALL, &NoProgress);
     assert!(report.clean_passed, "{:?}", report.clean_failures);
@@ -101,12 +101,12 @@ fn contained(mode: &str, n: &str, timeout: f64, expect: &str) -> Report {
     let file = fixture_suite(&tag, &adapter_engine(&["pass", "1", &tag], &[mode, n, &tag], timeout));
     let opts = RunOptions {
         filter: Some("llama-tiny/".into()),
-        scenarios: Some(vec![parity::scenario::Scenario::Single, parity::scenario::Scenario::Padded]),
+        scenarios: Some(vec![parity::vocab::Scenario::Single, parity::vocab::Scenario::Padded]),
         ..RunOptions::default()
     };
     let report = run(&file, &opts);
-    let paged: Vec<_> = report.rows.iter().filter(|r| r.backend == "paged").collect();
-    let dense: Vec<_> = report.rows.iter().filter(|r| r.backend == "dense").collect();
+    let paged: Vec<_> = report.rows.iter().filter(|r| r.path == "paged").collect();
+    let dense: Vec<_> = report.rows.iter().filter(|r| r.path == "dense").collect();
     assert!(!paged.is_empty() && !dense.is_empty());
     assert!(dense.iter().all(|r| r.pass), "{mode}: a dense row failed: {:?}", dense.iter().find(|r| !r.pass));
     assert!(paged.iter().all(|r| !r.pass), "{mode}: a paged row passed");
@@ -120,7 +120,7 @@ fn contained(mode: &str, n: &str, timeout: f64, expect: &str) -> Report {
 #[test]
 fn an_adapter_that_exits_at_start_fails_its_rows_with_its_stderr() {
     let r = contained("exit-at-start", "1", 30.0, "exited with status 3");
-    let failure = r.rows.iter().find(|r| r.backend == "paged").and_then(|r| r.failure.clone()).unwrap_or_default();
+    let failure = r.rows.iter().find(|r| r.path == "paged").and_then(|r| r.failure.clone()).unwrap_or_default();
     assert!(failure.contains("refusing to start"), "the stderr tail is shown: {failure}");
 }
 
@@ -128,7 +128,7 @@ fn an_adapter_that_exits_at_start_fails_its_rows_with_its_stderr() {
 fn an_adapter_that_crashes_mid_run_is_contained_and_given_up_on() {
     let r = contained("crash", "3", 30.0, "killed by signal 9");
     let failures: Vec<String> =
-        r.rows.iter().filter(|r| r.backend == "paged").filter_map(|r| r.failure.clone()).collect();
+        r.rows.iter().filter(|r| r.path == "paged").filter_map(|r| r.failure.clone()).collect();
     assert!(failures[0].contains("crashing on forward 3"), "stderr tail: {}", failures[0]);
     assert!(failures.iter().any(|f| f.contains("given up after 2 failures")), "{failures:?}");
 }
@@ -157,8 +157,8 @@ fn an_adapter_that_claims_a_trim_it_did_not_do_diverges_where_trims_happen() {
     let file = fixture_suite(&tag, &adapter_engine(&[], &["fake-trim", "1", &tag], 30.0));
     let opts = RunOptions {
         filter: Some("llama-tiny/".into()),
-        scenarios: Some(vec![parity::scenario::Scenario::Single, parity::scenario::Scenario::Padded]),
-        backends: Some(vec!["paged".into()]),
+        scenarios: Some(vec![parity::vocab::Scenario::Single, parity::vocab::Scenario::Padded]),
+        paths: Some(vec!["paged".into()]),
         ..RunOptions::default()
     };
     let report = run(&file, &opts);

@@ -7,7 +7,7 @@ use std::path::Path;
 use parity::Error;
 use parity::checkpoint::{self, ModelConfig};
 use parity::dtype::DtypeName;
-use parity::engine::builtin as engine;
+use parity::generate;
 use parity::faults::Faults;
 use parity::kv::{DenseCache, PagedBlockPool, PoolOptions};
 use parity::model::Model;
@@ -29,7 +29,7 @@ fn fixtures_of_every_family_load_and_generate() {
         let (model, tok) = common::load(&dir);
         let prompt = tok.encode_chat("hello").unwrap();
         let mut kv = DenseCache::new(model.kv_shape());
-        let (_, trace) = engine::generate(&model, &mut kv, &prompt, 4).unwrap();
+        let (_, trace) = generate(&model, &mut kv, &prompt, 4).unwrap();
         assert_eq!(trace.tokens.len(), 4, "{name}");
         assert_eq!(trace.logits[0].shape(), &[model.config.vocab_size as i32], "{name}");
     }
@@ -188,11 +188,11 @@ fn prompt_longer_than_the_context_is_an_error() {
     edit_config(&dir, |v| v["max_position_embeddings"] = 16.into());
     let (model, _) = common::load(&dir);
     let mut kv = DenseCache::new(model.kv_shape());
-    let err = engine::generate(&model, &mut kv, &[65; 20], 4).unwrap_err();
+    let err = generate(&model, &mut kv, &[65; 20], 4).unwrap_err();
     assert!(matches!(err, Error::ContextOverflow { held: 0, adding: 20, context: 16 }), "{err}");
     // Decode past the context stops with the same error, not a panic.
     let mut kv = DenseCache::new(model.kv_shape());
-    let err = engine::generate(&model, &mut kv, &[65; 10], 10).unwrap_err();
+    let err = generate(&model, &mut kv, &[65; 10], 10).unwrap_err();
     assert!(err.to_string().contains("exceeds the context of 16"), "{err}");
 }
 
@@ -201,6 +201,6 @@ fn exhausted_pool_is_an_error() {
     let (model, _) = common::load(&common::fixture("llama-tiny"));
     let opts = PoolOptions { block_size: 4, initial_blocks: 2, max_blocks: Some(3), poison: false };
     let mut kv = PagedBlockPool::new(model.kv_shape(), opts, Faults::NONE).unwrap();
-    let err = engine::generate(&model, &mut kv, &[65; 10], 8).unwrap_err();
+    let err = generate(&model, &mut kv, &[65; 10], 8).unwrap_err();
     assert!(matches!(err, Error::PoolExhausted { budget: 3, .. }), "{err}");
 }

@@ -36,10 +36,10 @@ fn mlx_lm_caches_match_kvcache_and_parity_on_the_llama_fixture() {
 
     for row in &report.rows {
         assert!(row.pass, "{}: {:?}", row.id(), row.failure);
-        if row.verdict == parity::compare::Verdict::Skipped {
+        if row.verdict == parity::vocab::Verdict::Skipped {
             // Only single-sequence caches, only left padding: a named skip, not a pass.
             assert_eq!(row.case, "batch-left", "{}", row.id());
-            assert_ne!(row.backend, "BatchKVCache");
+            assert_ne!(row.path, "BatchKVCache");
             assert!(row.notes.iter().any(|n| n.contains("masked")), "{}: {:?}", row.id(), row.notes);
         }
     }
@@ -48,10 +48,10 @@ fn mlx_lm_caches_match_kvcache_and_parity_on_the_llama_fixture() {
         report
             .rows
             .iter()
-            .filter(|r| r.backend == path)
+            .filter(|r| r.path == path)
             .map(|r| (r.id().replace(path, "*"), r.tokens.clone()))
             .collect()
     };
     assert_eq!(tokens("RotatingKVCache"), tokens("KVCache"));
-    assert!(report.rows.iter().filter(|r| r.backend == "BatchKVCache").count() > 50);
+    assert!(report.rows.iter().filter(|r| r.path == "BatchKVCache").count() > 50);
 }

@@ -13,10 +13,10 @@ mod common;
 
 use std::path::PathBuf;
 
-use parity::compare::Verdict;
+use parity::vocab::Verdict;
 use parity::report::{Report, Row};
-use parity::run::{NoProgress, RunOptions, run_suite};
-use parity::scenario::Scenario;
+use parity::{NoProgress, RunOptions, run_suite};
+use parity::vocab::Scenario;
 
 /// A suite on the llama-tiny fixture with the fake server; `paths` are `name = [args]` lines.
 fn suite(tag: &str, engine_extra: &str, tolerance: &str, paths: &[(&str, &str)]) -> PathBuf {
@@ -76,7 +76,7 @@ timeout = 20
 
 fn run(file: &std::path::Path, scenarios: &[Scenario]) -> Report {
     common::cpu();
-    let suite = parity::suite::load(file).unwrap_or_else(|e| panic!("{e}"));
+    let suite = parity::load_suite(file).unwrap_or_else(|e| panic!("{e}"));
     let logs = file.parent().map(|d| d.join("logs"));
     let opts = RunOptions {
         scenarios: (!scenarios.is_empty()).then(|| scenarios.to_vec()),
@@ -87,7 +87,7 @@ fn run(file: &std::path::Path, scenarios: &[Scenario]) -> Report {
 }
 
 fn rows<'a>(r: &'a Report, path: &str) -> Vec<&'a Row> {
-    r.rows.iter().filter(|row| row.backend == path).collect()
+    r.rows.iter().filter(|row| row.path == path).collect()
 }
 
 fn tag(name: &str) -> String {
@@ -181,7 +181,7 @@ fn concurrent_arrivals_follow_a_streamed_clock_with_or_without_streamed_logprobs
         let cases: Vec<&str> = rows(&report, "batched").iter().map(|r| r.case.as_str()).collect();
         assert_eq!(cases, ["req0", "req1", "req2"], "{name}");
         for r in &report.rows {
-            assert!(r.pass, "{name} {}/{}: {:?}", r.backend, r.case, r.failure);
+            assert!(r.pass, "{name} {}/{}: {:?}", r.path, r.case, r.failure);
         }
         // Staggered lengths: req1 asked for fewer tokens and compared over its own length.
         let req1 = rows(&report, "batched").into_iter().find(|r| r.case == "req1").expect("req1");
@@ -264,7 +264,7 @@ fn parse_error(engine: &str, scenarios: &str) -> String {
     let text = format!(
         "{scenarios}\n[[prompts]]\nname = \"p\"\ntext = \"x\"\n[[checkpoints]]\npath = \"x\"\n{engine}\n[engine.paths]\na = []\n"
     );
-    match parity::suite::parse(std::path::Path::new("s.toml"), &text) {
+    match parity::parse_suite(std::path::Path::new("s.toml"), &text) {
         Ok(_) => String::new(),
         Err(e) => e.to_string(),
     }

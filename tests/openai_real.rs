@@ -18,9 +18,9 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use parity::compare::Verdict;
+use parity::vocab::Verdict;
 use parity::report::Report;
-use parity::run::{NoProgress, RunOptions, run_suite};
+use parity::{NoProgress, RunOptions, run_suite};
 
 /// `suites/NAME.toml` cut down: one prompt, four tokens, the given paths, `batch2` only, and
 /// `tag_args` (TOML array items carrying a tag, so leftovers can be found) after `{port}`.
@@ -47,7 +47,7 @@ fn mini_suite(name: &str, tag: &str, tag_args: &str, paths: &str) -> PathBuf {
 
 fn run(file: &Path) -> Report {
     common::cpu();
-    let suite = parity::suite::load(file).unwrap_or_else(|e| panic!("{e}"));
+    let suite = parity::load_suite(file).unwrap_or_else(|e| panic!("{e}"));
     let report = run_suite(&suite, &RunOptions::default(), &NoProgress);
     let _ = std::fs::remove_file(file);
     report
@@ -61,9 +61,9 @@ fn sound(report: &Report) {
         report.checkpoints[0].reason
     );
     for r in &report.rows {
-        assert_ne!(r.verdict, Verdict::Error, "{}/{}: {:?}", r.backend, r.case, r.failure);
+        assert_ne!(r.verdict, Verdict::Error, "{}/{}: {:?}", r.path, r.case, r.failure);
         let api = r.api.as_ref().expect("api facts");
-        assert_eq!(api.server_prompt_tokens, Some(api.prompt_tokens), "{}: prompt token counts", r.backend);
+        assert_eq!(api.server_prompt_tokens, Some(api.prompt_tokens), "{}: prompt token counts", r.path);
         assert!(api.text_contradiction.is_none(), "{:?}", api.text_contradiction);
     }
 }
@@ -86,7 +86,7 @@ fn mlx_lm_server_sequential_and_batched_on_smollm2() {
     );
     let report = run(&file);
     sound(&report);
-    let seq = report.rows.iter().find(|r| r.backend == "sequential").expect("sequential row");
+    let seq = report.rows.iter().find(|r| r.path == "sequential").expect("sequential row");
     assert_eq!(seq.verdict, Verdict::Identical, "the sequential path disagrees with itself: {:?}", seq.failure);
     // mlx_lm.server presents an arbitrary top_logprobs entry as the chosen token.
     eprintln!("{}", parity::report::table::render(&report, false));
@@ -112,7 +112,7 @@ fn llama_server_one_slot_and_parallel_on_smollm2() {
     );
     let report = run(&file);
     sound(&report);
-    let one = report.rows.iter().find(|r| r.backend == "one-slot").expect("one-slot row");
+    let one = report.rows.iter().find(|r| r.path == "one-slot").expect("one-slot row");
     assert_eq!(one.verdict, Verdict::Identical, "one slot disagrees with itself: {:?}", one.failure);
     eprintln!("{}", parity::report::table::render(&report, false));
     common::assert_no_leftovers(&tag);

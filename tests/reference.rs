@@ -3,7 +3,7 @@
 
 mod common;
 
-use parity::engine::builtin as engine;
+use parity::generate;
 use parity::faults::Faults;
 use parity::kv::{DenseCache, KvCache, PagedBlockPool, PoolOptions};
 use serde_json::Value;
@@ -34,13 +34,13 @@ fn smollm2_matches_mlx_lm_reference_on_dense_and_paged() {
         assert_eq!(&ours, prompt, "prompt ids for case {i} ({text:?})");
 
         let mut dense = DenseCache::new(model.kv_shape());
-        let (_, trace) = engine::generate(&model, &mut dense, prompt, expected.len()).unwrap();
+        let (_, trace) = generate(&model, &mut dense, prompt, expected.len()).unwrap();
         assert_eq!(&trace.tokens, expected, "dense greedy tokens, case {i} ({text:?})");
 
         for bs in [32, 16] {
             let opts = PoolOptions { block_size: bs, poison: true, ..PoolOptions::default() };
             let mut paged = PagedBlockPool::new(model.kv_shape(), opts, Faults::NONE).unwrap();
-            let (seq, trace) = engine::generate(&model, &mut paged, prompt, expected.len()).unwrap();
+            let (seq, trace) = generate(&model, &mut paged, prompt, expected.len()).unwrap();
             assert_eq!(&trace.tokens, expected, "paged (block {bs}) greedy tokens, case {i}");
             assert_eq!(paged.len(seq).unwrap(), prompt.len() + expected.len() - 1);
         }
@@ -62,7 +62,7 @@ fn fixtures_match_mlx_lm_references() {
         for case in cases.as_array().unwrap() {
             let (prompt, expected) = (ids(&case["prompt_ids"]), ids(&case["greedy"]));
             let mut dense = DenseCache::new(model.kv_shape());
-            let (_, trace) = engine::generate(&model, &mut dense, &prompt, expected.len()).unwrap();
+            let (_, trace) = generate(&model, &mut dense, &prompt, expected.len()).unwrap();
             assert_eq!(trace.tokens, expected, "{name}, prompt of {} tokens", prompt.len());
         }
     }

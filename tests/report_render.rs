@@ -3,14 +3,15 @@
 
 use std::collections::BTreeMap;
 
-use parity::compare::{Choice, Verdict};
+use parity::Choice;
+use parity::vocab::Verdict;
 use parity::report::diff::text_diff;
 use parity::report::merge::merge;
 use parity::report::{
     ApiFacts, CheckpointReport, CheckpointStatus, DivergenceReport, Environment, Phase, Report, Row, SCHEMA_VERSION,
     Shard, StepPlace, Summary, html, junit, markdown, table,
 };
-use parity::scenario::Settings;
+use parity::vocab::Settings;
 
 const NOT_FOUND: &str = "checkpoint `Qwen/Qwen3-0.6B` not found; looked in:
   - /work/suites/Qwen/Qwen3-0.6B
@@ -19,18 +20,10 @@ parity never downloads. Fetch it on a machine with network access, e.g.
   huggingface-cli download Qwen/Qwen3-0.6B
 (or set HF_HUB_CACHE / HF_HOME to a cache that has it)";
 
-fn row(checkpoint: &str, scenario: &str, case: &str, backend: &str, verdict: Verdict) -> Row {
+fn row(checkpoint: &str, scenario: &str, case: &str, path: &str, verdict: Verdict) -> Row {
     let ran = !matches!(verdict, Verdict::Error | Verdict::Skipped);
     Row {
-        checkpoint: checkpoint.into(),
-        prompt: "len37".into(),
-        scenario: scenario.into(),
-        case: case.into(),
-        backend: backend.into(),
-        verdict,
         pass: verdict != Verdict::Error,
-        failure: None,
-        first_divergence: None,
         tokens: if ran { vec![576, 6722, 315, 9625] } else { vec![] },
         reference_tokens: if ran { vec![576, 6722, 315, 9625] } else { vec![] },
         text: ran.then(|| "The capital of France is Paris.".into()),
@@ -38,15 +31,9 @@ fn row(checkpoint: &str, scenario: &str, case: &str, backend: &str, verdict: Ver
         max_rel_rms: ran.then_some(0.0),
         max_kl: ran.then_some(0.0),
         step_rel_rms: if ran { vec![Some(0.0); 4] } else { vec![] },
-        step_kl: vec![],
-        step_layout: vec![],
-        block_size: None,
         noise_floor_rel_rms: ran.then_some(3.2e-6),
-        nan: false,
         paths: usize::from(ran),
-        notes: vec![],
-        kv: None,
-        api: None,
+        ..Row::new(checkpoint, "len37", scenario, case, path, verdict)
     }
 }
 
@@ -249,7 +236,7 @@ fn html_escapes_everything_from_the_report() {
     assert!(!page.contains("'x'"), "unescaped quote");
     assert!(page.contains("&lt;script&gt;alert(&apos;x&apos;)&lt;/script&gt;"));
     assert!(page.contains("p&quot;&lt;script&gt;"));
-    assert_eq!(html::esc("a<b>&\"c'\u{7}"), "a&lt;b&gt;&amp;&quot;c&apos;\\u{7}");
+    assert_eq!(parity::report::escape::xml("a<b>&\"c'\u{7}"), "a&lt;b&gt;&amp;&quot;c&apos;\\u{7}");
 }
 
 #[test]
@@ -297,11 +284,11 @@ fn nan_and_missing_noise_floor() {
 
 #[test]
 fn xml_escaping() {
-    assert_eq!(junit::escape("<a href=\"x\">&'b'</a>"), "&lt;a href=&quot;x&quot;&gt;&amp;&apos;b&apos;&lt;/a&gt;");
+    assert_eq!(parity::report::escape::xml("<a href=\"x\">&'b'</a>"), "&lt;a href=&quot;x&quot;&gt;&amp;&apos;b&apos;&lt;/a&gt;");
     // Tabs and newlines survive attribute normalisation; what XML 1.0 cannot carry is shown.
-    assert_eq!(junit::escape("a\tb\nc\r"), "a&#9;b&#10;c&#13;");
-    assert_eq!(junit::escape("\u{0}\u{1b}x\u{ffff}"), "\\u{0}\\u{1b}x\\u{ffff}");
-    assert_eq!(junit::escape("naïve 東京"), "naïve 東京");
+    assert_eq!(parity::report::escape::xml("a\tb\nc\r"), "a&#9;b&#10;c&#13;");
+    assert_eq!(parity::report::escape::xml("\u{0}\u{1b}x\u{ffff}"), "\\u{0}\\u{1b}x\\u{ffff}");
+    assert_eq!(parity::report::escape::xml("naïve 東京"), "naïve 東京");
 
     let mut r = report();
     r.rows[4].failure = Some("bad <tag> & \"quote\" \u{7}".into());

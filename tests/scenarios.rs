@@ -3,13 +3,15 @@
 
 mod common;
 
-use parity::compare::{self, Verdict};
+use parity::vocab::Verdict;
 use parity::dtype::DtypeName;
-use parity::engine::builtin::{Builtin, BuiltinPath};
+use parity::Builtin;
+use parity::vocab::BuiltinPath;
 use parity::faults::Faults;
 use parity::kv::Backend;
 use parity::model::Model;
-use parity::scenario::{self, Harness, Outcome, Prompt, Settings};
+use parity::vocab::{self, Prompt, Settings};
+use parity::{Outcome, Setup};
 
 fn pad(model: &Model) -> u32 {
     model.config.pad_token_id.or_else(|| model.config.eos_token_ids.first().copied()).unwrap_or(0)
@@ -45,19 +47,19 @@ fn every_scenario_matches_the_reference_on_every_path() {
     for fixture in ["llama-tiny", "qwen3-tiny"] {
         let (model, _) = common::load(&common::fixture(fixture));
         let mut reference = Builtin::new(&model, rowwise, &settings());
-        let mut h = Harness::new(&mut reference, settings(), Faults::NONE, pad(&model));
+        let mut h = Setup::new(&mut reference, settings(), Faults::NONE, pad(&model));
         let prompts = prompts();
-        for &sc in scenario::ALL {
+        for &sc in vocab::STEP_LEVEL {
             for p in BuiltinPath::ALL {
                 let mut path = Builtin::new(&model, p, &settings());
-                let cases = sc.run(&mut h, &mut path, &prompts);
+                let cases = parity::run_scenario(sc, &mut h, &mut path, &prompts);
                 assert!(!cases.is_empty(), "{} produced no cases", sc.name());
                 for c in cases {
                     assert_eq!(c.outcome, Outcome::Ran, "{fixture} {} {} {}", sc.name(), c.case, p.name());
                     let reference = h.reference(&c.prompt.ids).unwrap();
-                    for (row, path) in c.paths.iter().enumerate() {
+                    for (row, path) in c.measured.iter().enumerate() {
                         assert!(!path.tokens.is_empty());
-                        let cmp = compare::compare(&reference, path, DtypeName::Float32, 1e-3).unwrap();
+                        let cmp = parity::compare(&reference, path, DtypeName::Float32, 1e-3).unwrap();
                         let what =
                             format!("{fixture} {} {} {} {} row {row}", sc.name(), c.case, c.prompt.name, p.name());
                         assert!(
@@ -87,16 +89,16 @@ fn bfloat16_and_native_dtypes_run_and_agree() {
         assert_eq!(model.dtype, expected);
         assert_eq!(model.kv_shape().dtype, expected);
         let mut reference = Builtin::new(&model, Backend::Dense, &settings());
-        let mut h = Harness::new(&mut reference, settings(), Faults::NONE, pad(&model));
+        let mut h = Setup::new(&mut reference, settings(), Faults::NONE, pad(&model));
         let prompts = prompts();
-        for sc in [scenario::Scenario::Single, scenario::Scenario::Batch2] {
+        for sc in [vocab::Scenario::Single, vocab::Scenario::Batch2] {
             let mut path = Builtin::new(&model, Backend::Paged, &settings());
-            for c in sc.run(&mut h, &mut path, &prompts) {
+            for c in parity::run_scenario(sc, &mut h, &mut path, &prompts) {
                 assert_eq!(c.outcome, Outcome::Ran);
                 let reference = h.reference(&c.prompt.ids).unwrap();
                 assert_eq!(reference.logits[0].dtype(), mlx_rs::Dtype::Bfloat16);
-                for path in &c.paths {
-                    let cmp = compare::compare(&reference, path, expected, 2e-2).unwrap();
+                for path in &c.measured {
+                    let cmp = parity::compare(&reference, path, expected, 2e-2).unwrap();
                     assert!(
                         matches!(cmp.verdict, Verdict::Identical | Verdict::NearTie),
                         "{} {}: {:?}",
@@ -114,7 +116,7 @@ fn bfloat16_and_native_dtypes_run_and_agree() {
 /// refuses (its rows are skipped, naming the fault) instead of passing without planting it.
 #[test]
 fn rowwise_paths_refuse_the_batching_faults() {
-    use parity::engine::EnginePath;
+    use parity::EnginePath;
     use parity::faults::Fault;
     use parity::model::AttentionMode;
     let (model, _) = common::load(&common::fixture("llama-tiny"));

@@ -4,14 +4,14 @@
 mod common;
 
 use parity::faults;
-use parity::run::{NoProgress, RunOptions};
+use parity::{NoProgress, RunOptions};
 use parity::selftest;
 
 #[test]
 fn every_fault_is_caught_on_the_llama_fixture_and_the_clean_run_passes() {
     common::cpu();
     let file = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("suites/fixtures.toml");
-    let suite = parity::suite::load(&file).unwrap();
+    let suite = parity::load_suite(&file).unwrap();
     let opts = RunOptions { filter: Some("llama-tiny/".into()), ..RunOptions::default() };
     let (report, clean) = selftest::selftest(&suite, &opts, faults::ALL, &NoProgress);
     assert!(report.clean_passed, "{:?}", report.clean_failures);

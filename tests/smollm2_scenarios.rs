@@ -4,14 +4,14 @@
 
 mod common;
 
-use parity::compare::Verdict;
-use parity::run::{NoProgress, RunOptions, run_suite};
-use parity::scenario::Scenario;
+use parity::vocab::Verdict;
+use parity::{NoProgress, RunOptions, run_suite};
+use parity::vocab::Scenario;
 
 #[test]
 fn padded_batch2_and_concurrent_match_the_dense_reference() {
     let file = common::repo().join("suites/smollm2.toml");
-    let mut suite = parity::suite::load(&file).unwrap();
+    let mut suite = parity::load_suite(&file).unwrap();
     // The suite finds the checkpoint through $PARITY_SMOLLM2 or ../shared; point it at the
     // test data explicitly so PARITY_SHARED is honoured too.
     suite.checkpoints[0].reference = common::smollm2().display().to_string();
@@ -36,20 +36,20 @@ fn padded_batch2_and_concurrent_match_the_dense_reference() {
             r.prompt,
             r.scenario,
             r.case,
-            r.backend,
+            r.path,
             r.failure
         );
         assert!(r.pass);
         // Same arithmetic up to the GEMM shape (a 64-row padded prefill blocks differently
         // from a 37-row one): float32 noise, far below the 1e-3 tolerance.
         let rms = r.max_rel_rms.expect("finite");
-        assert!(rms < 1e-4, "{}/{}:{}/{}: rel RMS {rms}", r.prompt, r.scenario, r.case, r.backend);
+        assert!(rms < 1e-4, "{}/{}:{}/{}: rel RMS {rms}", r.prompt, r.scenario, r.case, r.path);
     }
     // The trim no-op bug's exact case ran on the paged backend.
     let tile = report
         .rows
         .iter()
-        .find(|r| r.prompt == "france37" && r.case == "tile" && r.backend == "paged")
+        .find(|r| r.prompt == "france37" && r.case == "tile" && r.path == "paged")
         .expect("padded tile row for the 37-token prompt");
     assert!(tile.notes.iter().any(|n| n == "padded 37 -> 64, trimmed 27"), "{:?}", tile.notes);
 }

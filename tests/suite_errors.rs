@@ -3,7 +3,6 @@
 use std::path::Path;
 
 use parity::kv::Backend;
-use parity::suite;
 
 const GOOD: &str = r#"
 name = "t"
@@ -16,8 +15,8 @@ text = "hello"
 path = "../fixtures/llama-tiny.toml"
 "#;
 
-fn err(text: &str) -> suite::SuiteError {
-    suite::parse(Path::new("suites/x.toml"), text).expect_err("suite should be rejected")
+fn err(text: &str) -> parity::SuiteError {
+    parity::parse_suite(Path::new("suites/x.toml"), text).expect_err("suite should be rejected")
 }
 
 fn assert_at(text: &str, line: usize, needle: &str) {
@@ -30,7 +29,7 @@ fn assert_at(text: &str, line: usize, needle: &str) {
 
 #[test]
 fn the_good_suite_parses() {
-    let s = suite::parse(Path::new("suites/x.toml"), GOOD).unwrap();
+    let s = parity::parse_suite(Path::new("suites/x.toml"), GOOD).unwrap();
     assert_eq!(s.checkpoints[0].settings.tile, 16);
     assert_eq!(s.checkpoints[0].name, "llama-tiny");
 }
@@ -93,10 +92,10 @@ fn unknown_dtype_and_backend() {
     // The row-by-row paths run only when named, beside (or instead of) the batched ones.
     let both =
         GOOD.replace("name = \"t\"", "name = \"t\"\nbackends = [\"paged\", \"paged-rowwise\", \"dense-rowwise\"]");
-    let s = suite::parse(Path::new("suites/x.toml"), &both).unwrap();
+    let s = parity::parse_suite(Path::new("suites/x.toml"), &both).unwrap();
     assert_eq!(s.checkpoints[0].paths, ["paged", "paged-rowwise", "dense-rowwise"]);
     assert_eq!(s.checkpoints[0].kv_backends(), [Backend::Paged, Backend::Dense]);
-    let default = suite::parse(Path::new("suites/x.toml"), GOOD).unwrap();
+    let default = parity::parse_suite(Path::new("suites/x.toml"), GOOD).unwrap();
     assert_eq!(default.checkpoints[0].paths, ["dense", "paged"], "unnamed: the batched paths");
 }
 
@@ -109,7 +108,7 @@ fn engine_tables_are_checked_before_anything_starts() {
         with(&format!("[engine]\nkind = \"process\"\ncommand = [\"adapter\"]\n{extra}\n[engine.paths]\n{paths}\n"))
     };
     let good = process("", "a = []\nb = [\"--b\"]");
-    let s = suite::parse(Path::new("suites/x.toml"), &good).unwrap();
+    let s = parity::parse_suite(Path::new("suites/x.toml"), &good).unwrap();
     assert_eq!(s.checkpoints[0].paths, ["a", "b"], "paths run in the order written");
     assert!(!s.checkpoints[0].engine.needs_builtin());
     assert_at(&with("[engine]\nkind = \"grpc\"\n"), 4, "unknown kind `grpc`");
@@ -124,7 +123,7 @@ fn engine_tables_are_checked_before_anything_starts() {
         3,
         "unknown path `dense`; this engine has a",
     );
-    let s = suite::parse(Path::new("suites/x.toml"), &process("reference = \"builtin:dense\"", "a = []")).unwrap();
+    let s = parity::parse_suite(Path::new("suites/x.toml"), &process("reference = \"builtin:dense\"", "a = []")).unwrap();
     assert!(s.checkpoints[0].engine.needs_builtin());
 }
 
@@ -135,8 +134,10 @@ fn missing_prompts_or_checkpoints() {
 
 #[test]
 fn env_expansion_in_paths() {
-    assert_eq!(suite::expand_env("${PARITY_TEST_SURELY_UNSET:-a/b}/c").unwrap(), "a/b/c");
-    assert!(suite::expand_env("${PARITY_TEST_SURELY_UNSET}").unwrap_err().contains("not set"));
+    let at = |path: &str| GOOD.replace("../fixtures/llama-tiny.toml", path);
+    let s = parity::parse_suite(Path::new("suites/x.toml"), &at("${PARITY_TEST_SURELY_UNSET:-a/b}/c")).unwrap();
+    assert_eq!(s.checkpoints[0].reference, "a/b/c");
+    assert!(err(&at("${PARITY_TEST_SURELY_UNSET}")).message.contains("not set"));
 }
 
 // ---- issue #14: names that would escape the reports folder -----------------------------------
@@ -167,9 +168,9 @@ fn checkpoint_and_prompt_names_must_be_plain_file_names() {
 #[test]
 fn a_suite_file_whose_stem_is_not_a_file_name_needs_a_name() {
     let text = GOOD.replace("name = \"t\"\n", "");
-    let e = suite::parse(Path::new("suites/my suite.toml"), &text).expect_err("stem with a space");
+    let e = parity::parse_suite(Path::new("suites/my suite.toml"), &text).expect_err("stem with a space");
     assert!(e.message.contains("suite name (from the file name; set `name`) `my suite` contains ' '"), "{e}");
-    assert!(suite::parse(Path::new("suites/ok-name.toml"), &text).is_ok());
+    assert!(parity::parse_suite(Path::new("suites/ok-name.toml"), &text).is_ok());
 }
 
 /// kind = "openai": a path name names server logs and report ids, so it is one plain file-name
@@ -184,12 +185,12 @@ fn openai_path_names_and_lengths_are_checked() {
             ),
         )
     };
-    assert!(suite::parse(Path::new("suites/x.toml"), &openai("a = []\nb = []")).is_ok());
+    assert!(parity::parse_suite(Path::new("suites/x.toml"), &openai("a = []\nb = []")).is_ok());
     // Lines: 2 name, 3 [engine], 4 kind, 5 command, 6 [engine.paths].
     assert_at(&openai("\"../up\" = []"), 6, "`../up` contains '/'");
     assert_at(&openai("\".hidden\" = []"), 6, "starts with `.`");
     let lengths = |l: &str| openai("a = []").replace("tile = 16", &format!("tile = 16\nlengths = {l}"));
-    assert!(suite::parse(Path::new("suites/x.toml"), &lengths("[15, 16]")).is_ok());
+    assert!(parity::parse_suite(Path::new("suites/x.toml"), &lengths("[15, 16]")).is_ok());
     assert_at(&lengths("[0]"), 10, "each from 1 to");
     assert_at(&lengths("[99999999999]"), 10, "each from 1 to");
     // Vacuous settings by a server's rules: `lengths` that no scenario reads, a concurrent
@@ -203,7 +204,7 @@ fn openai_path_names_and_lengths_are_checked() {
     assert_at(&with("lengths = [15]", "\"single\""), 11, "settings.lengths has no effect");
     assert_at(&with("concurrent = { requests = 1 }", "\"concurrent\""), 11, "tests no concurrency");
     assert_at(&with("pool_blocks = 8", "\"single\""), 11, "a server keeps its own KV cache");
-    assert!(suite::parse(Path::new("suites/x.toml"), &with("max_tokens = 3", "\"prefix\"")).is_ok());
+    assert!(parity::parse_suite(Path::new("suites/x.toml"), &with("max_tokens = 3", "\"prefix\"")).is_ok());
 }
 
 #[test]
@@ -230,7 +231,7 @@ fn lookahead_zero_with_rollback_is_rejected_at_lookahead() {
     let text = GOOD
         .replace("name = \"t\"", "name = \"t\"\nscenarios = [\"single\"]")
         .replace("tile = 16", "tile = 16\nlookahead = 0");
-    assert!(suite::parse(Path::new("suites/x.toml"), &text).is_ok());
+    assert!(parity::parse_suite(Path::new("suites/x.toml"), &text).is_ok());
 }
 
 #[test]
@@ -248,7 +249,7 @@ fn concurrent_settings_that_never_batch_are_rejected() {
     assert_at(&c("requests = 1"), 6, "no two requests are ever decoded together");
     // Each request arrives after the previous one has finished (16 steps each).
     assert_at(&c("requests = 2\narrivals = [0, 40]"), 7, "arrivals [0, 40]");
-    assert!(suite::parse(Path::new("suites/x.toml"), &c("requests = 2\narrivals = [0, 3]")).is_ok());
+    assert!(parity::parse_suite(Path::new("suites/x.toml"), &c("requests = 2\narrivals = [0, 3]")).is_ok());
 }
 
 #[test]
@@ -283,7 +284,7 @@ fn known_prompt_lengths_catch_chunk_and_block_sizes_that_no_prompt_crosses() {
     );
     let big = fixed.replace("tile = 16", "tile = 16\nblock_size = 64");
     assert_at(&big, 5, "settings.block_size = 64: no sequence crosses a block boundary (the longest writes 39 rows)");
-    assert!(suite::parse(Path::new("suites/x.toml"), &fixed).is_ok());
+    assert!(parity::parse_suite(Path::new("suites/x.toml"), &fixed).is_ok());
 }
 
 /// Every shipped suite parses under the current rules (names, bounds, vacuous settings by its
@@ -299,7 +300,7 @@ fn every_shipped_suite_parses() {
         if name.starts_with('.') || path.extension().is_none_or(|e| e != "toml") {
             continue;
         }
-        suite::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        parity::load_suite(&path).unwrap_or_else(|e| panic!("{e}"));
         n += 1;
     }
     assert!(n >= 6, "only {n} suites found in {}", dir.display());

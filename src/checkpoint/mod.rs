@@ -2,6 +2,7 @@
 //! the local HF cache), what they say (config.json) and what they hold (safetensors, tokenizer).
 
 pub mod config;
+mod fixture;
 pub mod tokenizer;
 pub mod weights;
 
@@ -46,7 +47,7 @@ fn looks_like_repo_id(reference: &str) -> bool {
 ///
 /// `base` is the directory relative paths are resolved against (a suite file's directory, or
 /// the current directory on the command line). A reference ending in `.toml` is a fixture
-/// spec: the tiny checkpoint it describes is generated on first use (see [`crate::fixture`]).
+/// spec: the tiny checkpoint it describes is generated on first use (see [`fixture`]).
 pub fn resolve(reference: &str, base: &Path) -> Result<PathBuf> {
     resolve_in(reference, base, hf_cache_dir())
 }
@@ -57,7 +58,7 @@ pub fn resolve_in(reference: &str, base: &Path, hf_cache: Option<PathBuf>) -> Re
     let local = if expanded.is_absolute() { expanded.clone() } else { base.join(&expanded) };
     if reference.ends_with(".toml") {
         if local.is_file() {
-            return crate::fixture::materialize(&local);
+            return fixture::materialize(&local);
         }
         return Err(Error::CheckpointNotFound {
             reference: reference.to_string(),

@@ -6,7 +6,7 @@
 //! Validation against the config happens in one place, [`WeightStore::take`]: the model's
 //! loaders say which tensor they need with which shape and dtype ([`Expect`], with quantized
 //! layouts from [`packed_layout`]); a tensor that is missing or wrong is recorded as a
-//! [`Problem`] and loading carries on with a placeholder, so one pass lists every problem.
+//! [`TensorProblem`] and loading carries on with a placeholder, so one pass lists every problem.
 //! `generate`, `run`, `bench` (through `Model::load`) and `inspect` all go through it.
 
 use std::collections::{BTreeMap, HashMap};
@@ -16,34 +16,14 @@ use mlx_rs::{Array, Dtype};
 use safetensors::SafeTensors;
 
 use super::QuantSpec;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TensorProblem};
 
 /// Every tensor of a checkpoint, by name, with the file it came from (for error messages).
 pub struct WeightStore {
     tensors: HashMap<String, (Array, PathBuf)>,
     pub files: Vec<PathBuf>,
     pub stored_bytes: u64,
-    problems: Vec<Problem>,
-}
-
-/// One thing wrong with a checkpoint's tensors, by tensor name.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Problem {
-    pub tensor: String,
-    /// The file holding the tensor, when it exists.
-    pub file: Option<PathBuf>,
-    pub message: String,
-}
-
-impl std::fmt::Display for Problem {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "tensor `{}`: {}", self.tensor, self.message)?;
-        // The file name only: the directory is the checkpoint's, said once by the caller.
-        if let Some(name) = self.file.as_ref().and_then(|p| p.file_name()) {
-            write!(f, " (in {})", name.to_string_lossy())?;
-        }
-        Ok(())
-    }
+    problems: Vec<TensorProblem>,
 }
 
 /// A tensor as a safetensors header describes it, checked: a dtype MLX can hold and a shape
@@ -173,14 +153,14 @@ impl WeightStore {
     }
 
     /// Remove and return tensor `name`, checking it is present, of `expect`'s shape and dtype
-    /// class. A tensor that is not is recorded as a [`Problem`] and a placeholder of the
+    /// class. A tensor that is not is recorded as a [`TensorProblem`] and a placeholder of the
     /// expected shape stands in, so loading goes on and finds every problem in one pass;
     /// [`finish`](Self::finish) then fails. Placeholders are lazy and never evaluated.
     pub fn take(&mut self, name: &str, expect: Expect) -> Result<Array> {
         let Some((array, file)) = self.tensors.remove(name) else {
             let files: Vec<String> = self.files.iter().map(|f| f.display().to_string()).collect();
             let message = format!("missing from {} (expected shape {:?})", files.join(", "), expect.shape);
-            self.problems.push(Problem { tensor: name.to_string(), file: None, message });
+            self.problems.push(TensorProblem { tensor: name.to_string(), file: None, message });
             return expect.placeholder();
         };
         let shape: Vec<usize> = array.shape().iter().map(|&d| d as usize).collect();
@@ -199,14 +179,14 @@ impl WeightStore {
         if wrong.is_empty() {
             return Ok(array);
         }
-        self.problems.push(Problem { tensor: name.to_string(), file: Some(file), message: wrong.join("; ") });
+        self.problems.push(TensorProblem { tensor: name.to_string(), file: Some(file), message: wrong.join("; ") });
         expect.placeholder()
     }
 
     /// Record a problem found by a loader (e.g. a quantized layout the config makes impossible).
     pub fn problem(&mut self, tensor: &str, message: impl Into<String>) {
         let file = self.tensors.get(tensor).map(|(_, f)| f.clone());
-        self.problems.push(Problem { tensor: tensor.to_string(), file, message: message.into() });
+        self.problems.push(TensorProblem { tensor: tensor.to_string(), file, message: message.into() });
     }
 
     /// Remove tensor `name` without checks (its problem is already recorded).
@@ -214,7 +194,7 @@ impl WeightStore {
         self.tensors.remove(name);
     }
 
-    pub fn problems(&self) -> &[Problem] {
+    pub fn problems(&self) -> &[TensorProblem] {
         &self.problems
     }
 
@@ -232,7 +212,7 @@ impl WeightStore {
     /// Float tensors holding NaN or infinity, with how many such values each has. Costs one
     /// reduction per tensor: `inspect` runs it; loading does not (a non-finite reference
     /// catches the effect at run time).
-    pub fn non_finite(&self) -> Result<Vec<Problem>> {
+    pub fn non_finite(&self) -> Result<Vec<TensorProblem>> {
         let mut out = Vec::new();
         let mut names: Vec<&String> = self.tensors.keys().collect();
         names.sort();
@@ -245,7 +225,7 @@ impl WeightStore {
             bad.eval()?;
             let count = bad.try_item_cast::<u32>().map_err(|e| Error::Mlx(e.to_string()))?;
             if count > 0 {
-                out.push(Problem {
+                out.push(TensorProblem {
                     tensor: name.clone(),
                     file: Some(file.clone()),
                     message: format!("{count} of {} values are NaN or infinite", a.size()),

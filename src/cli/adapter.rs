@@ -5,8 +5,8 @@ use clap::Args as ClapArgs;
 
 use crate::checkpoint::{self, ModelConfig};
 use crate::dtype::DtypeSetting;
-use crate::engine::builtin::BuiltinPath;
 use crate::model::Model;
+use crate::vocab::BuiltinPath;
 
 /// Serve parity's own runtime over the step protocol on stdin/stdout (docs/step-protocol.md):
 /// an engine adapter, used as `command = ["{parity}", "adapter", "{model}"]` in a suite.

@@ -10,9 +10,9 @@ use crate::bench::BenchRow;
 use crate::bench::{self, BenchOptions};
 use crate::checkpoint::{self, ModelConfig};
 use crate::dtype::DtypeSetting;
-use crate::engine::builtin::BuiltinPath;
 use crate::kv::Backend;
 use crate::model::Model;
+use crate::vocab::BuiltinPath;
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -75,16 +75,16 @@ pub fn run(a: Args) -> Result<ExitCode> {
     println!(
         "{} | {} | dtype {}{} | device {} | prompt {} | decode {} | {} reps | load {:.2}s",
         dir.display(),
-        crate::runtime::mlx_version(),
+        crate::environment::mlx_version(),
         model.dtype.name(),
         if a.dequantize { " (dequantized at load)" } else { "" },
-        crate::runtime::device(),
+        crate::environment::device(),
         a.prompt_len,
         a.decode,
         a.reps,
         load_secs
     );
-    let blas = crate::runtime::blas();
+    let blas = crate::environment::blas();
     if let Some(b) = &blas {
         println!("BLAS {b}");
     }
@@ -117,8 +117,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
     if let Some(p) = &a.json {
         let out = serde_json::json!({
             "checkpoint": dir.display().to_string(),
-            "mlx_version": crate::runtime::mlx_version(),
-            "device": crate::runtime::device(),
+            "mlx_version": crate::environment::mlx_version(),
+            "device": crate::environment::device(),
             "blas": blas,
             "dtype": model.dtype.name(),
             "dequantized": a.dequantize,
@@ -143,7 +143,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
 /// length, dtype, dequantization, device (a GPU baseline against a CPU run would compare
 /// machines, not engines) and, for every batch size benched here, the same ragged lengths.
 fn check_baseline(v: &serde_json::Value, a: &Args, dtype: &str, blas: Option<&str>) -> Result<()> {
-    let device = crate::runtime::device();
+    let device = crate::environment::device();
     let dequantized = v["dequantized"].as_bool().unwrap_or(false);
     if v["prompt_len"].as_u64() != Some(a.prompt_len as u64)
         || v["decode"].as_u64() != Some(a.decode as u64)

@@ -10,7 +10,7 @@ use crate::engine::builtin::{self, Builtin};
 use crate::faults::Faults;
 use crate::kv::Backend;
 use crate::model::Model;
-use crate::scenario::Settings;
+use crate::vocab::Settings;
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -63,7 +63,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let mut kv = Builtin::new(&model, a.backend, &settings).kv(Faults::NONE)?;
     let (_, trace) = builtin::generate(&model, kv.as_mut(), &prompt_ids, a.max_tokens)?;
     // Garbage from NaN logits is not an answer: fail, blaming the checkpoint or runtime.
-    crate::compare::require_finite("logits", &trace.logits)?;
+    crate::array::require_finite("logits", &trace.logits)?;
     let text = tokenizer.decode(&trace.tokens)?;
     if let Some(path) = &a.json {
         let out = serde_json::json!({
@@ -73,7 +73,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "dtype": model.dtype.name(),
             "kv": a.backend.name(),
             "dequantized": model.dequantized,
-            "device": crate::runtime::device(),
+            "device": crate::environment::device(),
         });
         let json = serde_json::to_string(&out)?;
         if path.as_os_str() == "-" {

@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use clap::{Args as ClapArgs, Parser, Subcommand};
 
-use crate::runtime::{self, DeviceChoice};
+use crate::environment::{self, DeviceChoice};
 
 /// Exit codes (documented in README): 0 pass, 1 parity failure or unaccepted snapshot change,
 /// 2 usage or suite error, 125 (with --bisect) a run that cannot be judged.
@@ -127,7 +127,7 @@ pub fn main() -> ExitCode {
         Command::Inspect(_) | Command::Review(_) | Command::Accept(_) | Command::Reject(_) | Command::Merge(_) => None,
     };
     if let Some(d) = device
-        && let Err(e) = runtime::use_device(d.device)
+        && let Err(e) = environment::use_device(d.device)
     {
         eprintln!("error: {e}");
         return ExitCode::from(EXIT_USAGE);

@@ -14,7 +14,7 @@ use crate::report::snapshot::{self, UpdateMode};
 use crate::report::table::{self, Widths};
 use crate::report::{Report, Row, Shard};
 use crate::run::{Progress, RunOptions, run_suite};
-use crate::scenario::Scenario;
+use crate::vocab::Scenario;
 use crate::suite;
 
 #[derive(ClapArgs, Clone)]
@@ -87,7 +87,7 @@ pub fn parse_fault(s: &str) -> Result<Fault, String> {
 
 fn parse_scenario(s: &str) -> Result<Scenario, String> {
     Scenario::parse(s).ok_or_else(|| {
-        let known: Vec<&str> = crate::scenario::ALL.iter().map(|s| s.name()).collect();
+        let known: Vec<&str> = crate::vocab::STEP_LEVEL.iter().map(|s| s.name()).collect();
         format!("unknown scenario `{s}`; known: {}", known.join(", "))
     })
 }
@@ -107,7 +107,7 @@ impl CommonArgs {
         RunOptions {
             filter: self.filter.clone(),
             scenarios: (!self.scenarios.is_empty()).then(|| self.scenarios.clone()),
-            backends: (!self.backends.is_empty()).then(|| self.backends.clone()),
+            paths: (!self.backends.is_empty()).then(|| self.backends.clone()),
             shard: self.shard,
             faults: self.faults.iter().fold(Faults::NONE, |acc, &f| acc.with(f)),
             ..RunOptions::default()
@@ -233,7 +233,7 @@ impl Stream {
 }
 
 impl Bars {
-    pub fn new(suite: &suite::Suite, color: bool, lines: Option<Stream>) -> Self {
+    pub fn new(suite: &crate::vocab::Suite, color: bool, lines: Option<Stream>) -> Self {
         let target =
             if std::io::stderr().is_terminal() { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
         let longest = |names: Vec<usize>| names.into_iter().max().unwrap_or(0);
@@ -242,7 +242,7 @@ impl Bars {
             scenario: longest(
                 suite.checkpoints.iter().flat_map(|c| c.scenarios.iter().map(|s| s.name().len())).collect(),
             ),
-            backend: longest(suite.checkpoints.iter().flat_map(|c| c.paths.iter().map(|p| p.len())).collect()),
+            path: longest(suite.checkpoints.iter().flat_map(|c| c.paths.iter().map(|p| p.len())).collect()),
         };
         Bars {
             multi: MultiProgress::with_draw_target(target),
@@ -255,8 +255,8 @@ impl Bars {
 }
 
 impl Progress for Bars {
-    fn checkpoint(&self, name: &str, units: usize) {
-        let bar = self.multi.add(ProgressBar::new(units as u64));
+    fn checkpoint(&self, name: &str, cells: usize) {
+        let bar = self.multi.add(ProgressBar::new(cells as u64));
         let style = ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos}/{len} {msg} ({elapsed})")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
             .progress_chars("=> ");
@@ -264,12 +264,12 @@ impl Progress for Bars {
         bar.set_prefix(name.to_string());
         *self.current.borrow_mut() = Some(bar);
     }
-    fn unit(&self, label: &str) {
+    fn cell(&self, label: &str) {
         if let Some(b) = self.current.borrow().as_ref() {
             b.set_message(label.to_string());
         }
     }
-    fn unit_done(&self, rows: &[Row]) {
+    fn cell_done(&self, rows: &[Row]) {
         let group: Vec<&Row> = rows.iter().collect();
         if let (Some(stream), Some(line)) = (self.lines, table::group_line(&group, &self.widths, self.color)) {
             self.multi.suspend(|| stream.print(&line));
@@ -364,11 +364,15 @@ pub fn run(a: Args) -> Result<ExitCode> {
         report.summary.snapshot_changes = checked.changes.iter().map(|p| p.display().to_string()).collect();
         report.summary.snapshot_new = checked.new.iter().map(|p| p.display().to_string()).collect();
         if !checked.accepted.is_empty() {
-            eprintln!("accepted {} under {}", table::plural(checked.accepted.len(), "snapshot"), dir.display());
+            eprintln!(
+                "accepted {} under {}",
+                crate::report::describe::plural(checked.accepted.len(), "snapshot"),
+                dir.display()
+            );
         }
     }
     a.common.write_reports(&report)?;
-    // The group lines were streamed as units finished; the rest follows.
+    // The group lines were streamed as cells finished; the rest follows.
     human.print(&table::tail(&report, color));
     if !report.summary.snapshot_changes.is_empty() && mode != UpdateMode::No {
         human.print(&format!(

@@ -7,13 +7,15 @@ use std::io::{BufRead, Write};
 
 use serde_json::{Value, json};
 
-use super::builtin::{Builtin, BuiltinPath, BuiltinSession};
+use super::builtin::{Builtin, BuiltinSession};
 use super::protocol::{Envelope, Request, VERSION, WireLogits, WireStats};
-use super::{EnginePath, Session, ShareMode, host_f32};
+use super::{EnginePath, Session, ShareMode};
+use crate::array::host_f32;
 use crate::error::{Error, Result};
 use crate::faults::{Fault, Faults};
 use crate::kv::{KvCache, SeqId};
 use crate::model::{Model, RowStep};
+use crate::vocab::BuiltinPath;
 
 /// What the adapter holds after `hello`: the path and the KV store of the current case.
 struct Served<'m> {

@@ -1,10 +1,17 @@
 //! Engines under test. A suite compares **paths** (named ways of running one checkpoint:
 //! `dense` and `paged`, or mlx-lm's `KVCache` and `BatchKVCache`); each path is served by an
-//! engine. Scenarios drive every path through one step-level interface, [`Session`]: a fresh
-//! KV store in which sequences are created, stepped, trimmed, shared and released. The kinds
-//! of engine live behind it — [`builtin`] (parity's own MLX runtime, in process) and
-//! [`process`] (any engine with an adapter speaking the step protocol, `docs/step-protocol.md`)
-//! — and compare/report never learn which one ran.
+//! engine, behind one of two interfaces:
+//!
+//! - step level, [`Session`] and [`EnginePath`]: a fresh KV store in which sequences are
+//!   created, stepped, trimmed, shared and released. [`builtin`] (parity's own MLX runtime, in
+//!   process) and [`process`] (any engine with an adapter speaking the step protocol,
+//!   `docs/step-protocol.md`) live behind it.
+//! - request level, [`openai::RequestPath`]: a server that can only be sent whole completion
+//!   requests (kind = "openai"). A server cannot be stepped, so it is not forced behind
+//!   `Session`.
+//!
+//! Engines know no scenario, suite file, run or report: they take the suite's spec types and
+//! answer operations.
 
 pub mod adapter;
 pub mod builtin;
@@ -12,57 +19,47 @@ pub mod openai;
 pub mod process;
 pub mod protocol;
 
+use std::path::{Path, PathBuf};
+
 use mlx_rs::Array;
 use serde::{Deserialize, Serialize};
 
+use crate::array::{greedy, rows};
 use crate::dtype::DtypeName;
 use crate::error::Result;
 use crate::faults::Faults;
 use crate::kv::{KvStats, SeqId};
 use crate::model::RowStep;
+use crate::vocab::{BuiltinPath, CheckpointSpec, EngineId, EngineSpec, ReferenceSpec, Trace};
 
-/// The tokens a path produced and, per step, the full logits row that selected each token
-/// (kept on the device; comparisons reduce them there).
-#[derive(Debug, Clone, Default)]
-pub struct Trace {
-    pub tokens: Vec<u32>,
-    pub logits: Vec<Array>,
+/// Where a started engine lives: the resolved checkpoint (what `{model}` or `{checkpoint}`
+/// stands for) and the suite's directory (`{suite_dir}`, where the child runs).
+#[derive(Debug, Clone, Copy)]
+pub struct Dirs<'a> {
+    pub checkpoint: &'a Path,
+    pub suite_dir: &'a Path,
 }
 
-/// Argmax of each row of `[B, vocab]` logits, brought to the host as B integers.
-pub fn greedy(logits: &Array) -> Result<Vec<u32>> {
-    let ids = mlx_rs::ops::indexing::argmax_axis(logits, -1, false)?;
-    ids.eval()?;
-    Ok(ids.as_slice::<u32>().to_vec())
-}
-
-/// A small array's values on the host as f32 (contiguous copy first; views are not).
-pub fn host_f32(a: &Array) -> Result<Vec<f32>> {
-    let a = a.as_dtype(mlx_rs::Dtype::Float32)?.contiguous()?;
-    a.eval()?;
-    Ok(a.as_slice::<f32>().to_vec())
-}
-
-/// Split `[B, vocab]` into B rows of `[vocab]`.
-pub fn rows(logits: &Array) -> Result<Vec<Array>> {
-    use mlx_rs::ops::indexing::IndexOp;
-    let b = logits.shape()[0];
-    Ok((0..b).map(|i| logits.index(i)).collect())
-}
-
-/// Which engine served a path, as reports record it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EngineId {
-    /// `builtin`, `process` or `openai`.
-    pub kind: String,
-    pub name: String,
-    pub version: String,
-}
-
-impl EngineId {
-    pub fn builtin() -> Self {
-        EngineId { kind: "builtin".into(), name: "parity".into(), version: env!("CARGO_PKG_VERSION").into() }
+impl Dirs<'_> {
+    /// Both directories made absolute: the child runs in the suite's directory, so every path
+    /// handed to it must hold from there, whatever directory parity was started from.
+    pub fn absolute(&self) -> (PathBuf, PathBuf) {
+        let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+        (absolute(self.checkpoint), absolute(self.suite_dir))
     }
+}
+
+/// A command from a suite's argv template and a path's extra arguments, every `{name}` of
+/// `values` substituted in every argument (nothing goes through a shell), and the program
+/// resolved against the suite's directory so a missing one is a spawn error that names it.
+pub fn command(template: &[String], extra: &[String], values: &[(&str, &str)], suite_dir: &Path) -> Vec<String> {
+    let fill =
+        |arg: &String| values.iter().fold(arg.clone(), |a, (name, value)| a.replace(&format!("{{{name}}}"), value));
+    let mut argv: Vec<String> = template.iter().chain(extra).map(fill).collect();
+    if let Some(program) = argv.first_mut() {
+        *program = crate::proc::resolve_program(program, suite_dir);
+    }
+    argv
 }
 
 /// What a path can do. A case that needs more is skipped with a sentence naming the path.
@@ -105,7 +102,7 @@ impl PathInfo {
     pub fn check_faults(&self, faults: Faults) -> Result<()> {
         match faults.list().into_iter().find(|f| !self.capabilities.faults.contains(f)) {
             None => Ok(()),
-            Some(f) => Err(crate::Error::Unsupported(format!(
+            Some(f) => Err(crate::error::Error::Unsupported(format!(
                 "path `{}` ({} {}) cannot plant fault `{}`",
                 self.name,
                 self.engine.kind,
@@ -200,7 +197,7 @@ impl EnginePath for Planning {
     }
 
     fn session(&mut self, _faults: Faults) -> Result<Box<dyn Session + '_>> {
-        Err(crate::Error::Invalid("the planning stand-in runs nothing".into()))
+        Err(crate::error::Error::Invalid("the planning stand-in runs nothing".into()))
     }
 }
 
@@ -222,21 +219,19 @@ pub fn generate(session: &mut dyn Session, prompt: &[u32], max_tokens: usize) ->
     Ok((seq, trace))
 }
 
-/// Open path `name` of a checkpoint's engine, or its reference path when `name` is `None`.
-/// `model` is parity's own load of the checkpoint (needed by builtin paths and references);
-/// `dir` the resolved checkpoint, `suite_dir` where an adapter command runs.
+/// Open path `name` of a checkpoint's step-level engine, or its reference path when `name` is
+/// `None`. `model` is parity's own load of the checkpoint (needed by builtin paths and
+/// references).
 pub fn open<'m>(
-    spec: &crate::suite::CheckpointSpec,
+    spec: &CheckpointSpec,
     name: Option<&str>,
     model: Option<&'m crate::model::Model>,
-    dir: &std::path::Path,
-    suite_dir: &std::path::Path,
+    dirs: Dirs,
 ) -> Result<Box<dyn EnginePath + 'm>> {
-    use crate::suite::{EngineSpec, ReferenceSpec};
     let (engine, settings) = (&spec.engine, &spec.settings);
-    let builtin = |path: builtin::BuiltinPath| -> Result<Box<dyn EnginePath + 'm>> {
+    let builtin = |path: BuiltinPath| -> Result<Box<dyn EnginePath + 'm>> {
         let model =
-            model.ok_or_else(|| crate::Error::Invalid("the builtin runtime's weights were not loaded".into()))?;
+            model.ok_or_else(|| crate::error::Error::Invalid("the builtin runtime's weights were not loaded".into()))?;
         Ok(Box::new(builtin::Builtin::new(model, path, settings)))
     };
     let target = match name {
@@ -245,14 +240,12 @@ pub fn open<'m>(
     };
     match (engine, target) {
         (_, ReferenceSpec::Builtin(path)) => builtin(path),
-        (EngineSpec::Builtin, ReferenceSpec::Path(n)) => builtin(n.parse().map_err(crate::Error::Invalid)?),
+        (EngineSpec::Builtin, ReferenceSpec::Path(n)) => builtin(n.parse().map_err(crate::error::Error::Invalid)?),
         (EngineSpec::Process(p), ReferenceSpec::Path(n)) => {
             let dtype = spec.dtype.resolve().map_or("native", |d| d.name());
-            let places = process::Places { model: dir, suite_dir, dtype };
-            Ok(Box::new(process::ProcessPath::start(p, &n, &places, settings)?))
+            Ok(Box::new(process::ProcessPath::start(p, &n, dirs, dtype, settings)?))
         }
-        // run.rs sends openai checkpoints to `openai::run_checkpoint` before opening paths.
-        (EngineSpec::Openai(o), ReferenceSpec::Path(n)) => Err(crate::Error::Engine {
+        (EngineSpec::Openai(o), ReferenceSpec::Path(n)) => Err(crate::error::Error::Engine {
             engine: o.name.clone(),
             path: n,
             message: "an OpenAI-compatible server cannot be stepped; it runs request-level scenarios".into(),

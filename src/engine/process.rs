@@ -20,15 +20,14 @@ use super::protocol::{
     CreateReply, Envelope, ForwardReply, HelloReply, Request, ShareReply, StatsReply, TrimReply, VERSION, WireRow,
     WireStats,
 };
-use super::{Capabilities, EngineId, EnginePath, PathInfo, Session, ShareMode};
+use super::{Capabilities, Dirs, EnginePath, PathInfo, Session, ShareMode};
 use crate::dtype::DtypeName;
 use crate::error::{Error, Result};
 use crate::faults::{Fault, Faults};
 use crate::kv::{KvStats, SeqId};
 use crate::model::RowStep;
 use crate::proc::{self, Child, Spawn};
-use crate::scenario::Settings;
-use crate::suite::ProcessSpec;
+use crate::vocab::{EngineId, ProcessSpec, Settings};
 
 /// Consecutive broken exchanges after which a path is given up.
 const GIVE_UP_AFTER: u32 = 2;
@@ -156,16 +155,6 @@ fn excerpt(s: &str) -> String {
     format!("{} [... {} bytes]", &s[..cut], s.len())
 }
 
-/// What an adapter command's placeholders stand for.
-pub struct Places<'a> {
-    /// `{model}`: the resolved checkpoint directory.
-    pub model: &'a Path,
-    /// `{suite_dir}`: where the suite file is; the adapter runs there.
-    pub suite_dir: &'a Path,
-    /// `{dtype}`: the suite's dtype setting (`float32`, `bfloat16`, `float16`, `native`).
-    pub dtype: &'a str,
-}
-
 /// One path of a `process` engine.
 pub struct ProcessPath {
     argv: Vec<String>,
@@ -180,12 +169,11 @@ pub struct ProcessPath {
 }
 
 impl ProcessPath {
-    /// Start the adapter for `path` and shake hands.
-    pub fn start(spec: &ProcessSpec, path: &str, places: &Places, settings: &Settings) -> Result<Self> {
-        // The adapter runs in the suite's directory: hand it absolute paths, whatever
-        // directory parity was started from.
-        let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
-        let (model, suite_dir) = (&absolute(places.model), &absolute(places.suite_dir));
+    /// Start the adapter for `path` and shake hands. The command's placeholders: `{model}`
+    /// (the resolved checkpoint), `{path}`, `{suite_dir}`, `{dtype}` (the suite's setting:
+    /// `float32`, `bfloat16`, `float16` or `native`) and `{parity}` (this executable).
+    pub fn start(spec: &ProcessSpec, path: &str, dirs: Dirs, dtype: &str, settings: &Settings) -> Result<Self> {
+        let (model, suite_dir) = dirs.absolute();
         let extra = spec
             .paths
             .iter()
@@ -193,24 +181,20 @@ impl ProcessPath {
             .map(|(_, a)| a.clone())
             .ok_or_else(|| Error::Invalid(format!("engine has no path `{path}`")))?;
         let parity = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_else(|_| "parity".into());
-        let subst = |a: &str| {
-            a.replace("{model}", &model.display().to_string())
-                .replace("{path}", path)
-                .replace("{suite_dir}", &suite_dir.display().to_string())
-                .replace("{dtype}", places.dtype)
-                .replace("{parity}", &parity)
-        };
-        let mut argv: Vec<String> = spec.command.iter().chain(&extra).map(|a| subst(a)).collect();
-        argv[0] = proc::resolve_program(&argv[0], suite_dir);
-        let hello = Request::Hello {
-            protocol: VERSION,
-            model: model.display().to_string(),
-            path: path.to_string(),
-            settings: settings.clone(),
-        };
+        let (model_s, suite_s) = (model.display().to_string(), suite_dir.display().to_string());
+        let values = [
+            ("model", model_s.as_str()),
+            ("path", path),
+            ("suite_dir", &suite_s),
+            ("dtype", dtype),
+            ("parity", &parity),
+        ];
+        let argv = super::command(&spec.command, &extra, &values, &suite_dir);
+        let hello =
+            Request::Hello { protocol: VERSION, model: model_s, path: path.to_string(), settings: settings.clone() };
         let mut p = ProcessPath {
             argv,
-            cwd: suite_dir.to_path_buf(),
+            cwd: suite_dir,
             hello,
             timeout: spec.timeout,
             start_timeout: spec.start_timeout,

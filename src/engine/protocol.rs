@@ -5,7 +5,7 @@ use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
 use crate::kv::KvStats;
-use crate::scenario::Settings;
+use crate::vocab::Settings;
 
 pub const VERSION: u32 = 1;
 

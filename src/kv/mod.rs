@@ -152,7 +152,7 @@ pub(crate) fn check_batch_shape(
         || ks[3] as usize != head_dim
         || v.shape() != ks
     {
-        return Err(crate::Error::Kv(format!(
+        return Err(crate::error::Error::Kv(format!(
             "batched K/V of shape {:?}/{:?} for {b} sequences and {} starts, expected [{b}, {heads}, T, {head_dim}]",
             ks,
             v.shape(),
@@ -166,7 +166,7 @@ pub(crate) fn check_batch_shape(
 pub(crate) fn check_kv_shape(k: &Array, v: &Array, heads: usize, head_dim: usize) -> Result<usize> {
     let ks = k.shape();
     if ks.len() != 4 || ks[0] != 1 || ks[1] as usize != heads || ks[3] as usize != head_dim || v.shape() != ks {
-        return Err(crate::Error::Kv(format!(
+        return Err(crate::error::Error::Kv(format!(
             "K/V of shape {:?}/{:?}, expected [1, {heads}, n, {head_dim}]",
             ks,
             v.shape()
@@ -211,15 +211,15 @@ impl<T> SeqMap<T> {
     }
 
     pub(crate) fn get(&self, id: SeqId) -> Result<&T> {
-        self.seqs.get(&id).ok_or_else(|| crate::Error::Kv(format!("unknown sequence {}", id.0)))
+        self.seqs.get(&id).ok_or_else(|| crate::error::Error::Kv(format!("unknown sequence {}", id.0)))
     }
 
     pub(crate) fn get_mut(&mut self, id: SeqId) -> Result<&mut T> {
-        self.seqs.get_mut(&id).ok_or_else(|| crate::Error::Kv(format!("unknown sequence {}", id.0)))
+        self.seqs.get_mut(&id).ok_or_else(|| crate::error::Error::Kv(format!("unknown sequence {}", id.0)))
     }
 
     pub(crate) fn remove(&mut self, id: SeqId) -> Result<T> {
-        self.seqs.remove(&id).ok_or_else(|| crate::Error::Kv(format!("unknown sequence {}", id.0)))
+        self.seqs.remove(&id).ok_or_else(|| crate::error::Error::Kv(format!("unknown sequence {}", id.0)))
     }
 
     pub(crate) fn values(&self) -> impl Iterator<Item = &T> {

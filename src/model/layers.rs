@@ -295,7 +295,7 @@ impl Mlp {
             .gate_up
             .forward(x)?
             .try_into()
-            .map_err(|_| crate::Error::Invalid("gate/up projection did not split in two".into()))?;
+            .map_err(|_| crate::error::Error::Invalid("gate/up projection did not split in two".into()))?;
         let h = mlx_rs::nn::silu(&g)?.multiply(&u)?;
         self.down.forward(&h)
     }

@@ -10,6 +10,7 @@
 
 use std::fmt::Write;
 
+use super::escape::xml;
 use super::{Row, StepPlace};
 
 /// What a step's guide says about where the path was when it was fed.
@@ -163,7 +164,7 @@ impl Chart<'_> {
         );
         let title =
             if full { format!("{} for {}", series.title, row.id()) } else { format!("{}: {}", row.id(), summary(row)) };
-        let _ = write!(s, "<title>{}</title>", super::html::esc(&title));
+        let _ = write!(s, "<title>{}</title>", xml(&title));
         // Noise floor band: everything below it is what two correct runs differ by.
         if let Some(f) = floor {
             let yf = y(f64::from(f));
@@ -257,7 +258,7 @@ impl Chart<'_> {
         // Points with their tooltips on the full chart; the small multiples mark only NaN steps
         // (a hover there would cost more bytes than the curve).
         for (k, v) in values.iter().enumerate() {
-            let tip = || super::html::esc(&tooltip(row, series, places.get(k), k));
+            let tip = || xml(&tooltip(row, series, places.get(k), k));
             match (v, full) {
                 (Some(v), true) => {
                     let over = tol.is_some_and(|t| *v > t);
@@ -306,7 +307,7 @@ impl std::fmt::Display for N {
 fn summary(row: &Row) -> String {
     let mut t = match &row.api {
         Some(api) if row.step_rel_rms.is_empty() => format!("max |Δ logprob| {:.3e}", api.max_logprob_delta),
-        _ => super::table::rms(row),
+        _ => super::describe::rms(row),
     };
     if let Some(d) = &row.first_divergence {
         let _ = write!(t, "; first divergence at step {} (position {})", d.choice.step, d.position);

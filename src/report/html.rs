@@ -5,22 +5,18 @@
 //!
 //! No network: CSS is inline, the curves are inline SVG (see [`super::chart`]) and there is no
 //! script (tooltips are SVG `<title>`s, expanding is `<details>`). A suite is untrusted input:
-//! every string taken from the report goes through [`esc`]. Verdicts are never colour only:
+//! every string taken from the report goes through [`super::escape`]. Verdicts are never colour only:
 //! each carries a symbol and a word.
 
 use std::fmt::Write;
 
 use super::chart::{Chart, Series, Size};
+use super::describe::{counts, failing, first_line, groups, location, plural, rms, top2};
+use super::escape::xml as esc;
 use super::snapshot::Change;
-use super::table::{counts, failing, first_line, groups, location, plural, rms, top2};
 use super::{CheckpointReport, CheckpointStatus, Report, Row};
-use crate::compare::{TOP_K, Verdict};
-
-/// Escape text for HTML content and quoted attributes: the XML escapes JUnit uses are valid
-/// HTML too, and they keep control characters visible.
-pub fn esc(s: &str) -> String {
-    super::junit::escape(s)
-}
+use crate::compare::TOP_K;
+use crate::vocab::Verdict;
 
 const STYLE: &str = include_str!("html.css");
 
@@ -212,7 +208,7 @@ fn summary(out: &mut String, groups: &[Vec<&Row>]) {
             st.badge(),
             esc(&g[0].checkpoint),
             esc(&g[0].scenario),
-            esc(&g[0].backend),
+            esc(&g[0].path),
             esc(&n),
         );
     }
@@ -372,7 +368,7 @@ fn multiples(out: &mut String, report: &Report, groups: &[Vec<&Row>]) {
             st.badge(),
             esc(&g[0].checkpoint),
             esc(&g[0].scenario),
-            esc(&g[0].backend),
+            esc(&g[0].path),
             esc(&counts(g.iter().copied()))
         );
         let checkpoint = report.checkpoints.iter().find(|c| c.name == g[0].checkpoint);
@@ -384,7 +380,7 @@ fn multiples(out: &mut String, report: &Report, groups: &[Vec<&Row>]) {
         let _ = writeln!(out, "{head}<div class=\"multiples\">");
         for row in g {
             let index = report.rows.iter().position(|r| std::ptr::eq(r, *row)).unwrap_or(0);
-            let title = format!("{}/{}:{}", row.prompt, row.case, row.backend);
+            let title = format!("{}/{}:{}", row.prompt, row.case, row.path);
             let link = if failing(row) && !checkpoint.is_some_and(|c| c.status == CheckpointStatus::Error) {
                 format!(" <a href=\"#r{index}\">details</a>")
             } else {

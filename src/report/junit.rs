@@ -5,9 +5,10 @@
 
 use std::fmt::Write;
 
-use super::table::{details, failing, first_line};
+use super::describe::{details, failing, first_line};
+use super::escape::{xml as escape, xml_text};
 use super::{CheckpointReport, Report, Row};
-use crate::compare::Verdict;
+use crate::vocab::Verdict;
 
 pub fn render(report: &Report) -> String {
     let mut out = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
@@ -77,7 +78,7 @@ fn suite(out: &mut String, report: &Report, name: &str, checkpoint: Option<&Chec
     for row in rows {
         let _ = write!(out, "    <testcase classname=\"{classname}\" name=\"{}\" time=\"0\"", escape(&row.case_id()));
         let detail = |tag: &str, message: &str, body: &str| {
-            format!(">\n      <{tag} message=\"{}\">{}</{tag}>\n    </testcase>\n", escape(message), escape_text(body))
+            format!(">\n      <{tag} message=\"{}\">{}</{tag}>\n    </testcase>\n", escape(message), xml_text(body))
         };
         if row.verdict == Verdict::Skipped {
             let reason = checkpoint.and_then(|c| c.reason.as_deref()).or(row.notes.first().map(String::as_str));
@@ -131,42 +132,4 @@ impl Tally {
         }
         t
     }
-}
-
-/// Element text: like [`escape`], but newlines and tabs stay literal so a failure body reads
-/// as lines in the raw XML too.
-fn escape_text(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for (k, part) in s.split('\n').enumerate() {
-        if k > 0 {
-            out.push('\n');
-        }
-        out.push_str(&escape(part).replace("&#9;", "\t"));
-    }
-    out
-}
-
-/// Escapes for attribute values (and, through [`escape_text`], text). Newlines and tabs become character references
-/// so attribute normalisation keeps them; characters XML 1.0 cannot carry at all (most C0
-/// controls, U+FFFE/U+FFFF) are written as `\u{..}` text rather than dropped, so a
-/// tokenizer's stray control byte is still visible in the report.
-pub fn escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&apos;"),
-            '\n' => out.push_str("&#10;"),
-            '\r' => out.push_str("&#13;"),
-            '\t' => out.push_str("&#9;"),
-            '\u{0}'..='\u{1f}' | '\u{fffe}' | '\u{ffff}' => {
-                let _ = write!(out, "\\u{{{:x}}}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out
 }

@@ -6,10 +6,10 @@
 
 use std::fmt::Write;
 
+use super::describe::{counts, details, failing, first_line, groups, plural};
 use super::snapshot::Change;
-use super::table::{counts, details, failing, first_line, groups, plural};
 use super::{CheckpointStatus, Report, Row};
-use crate::compare::Verdict;
+use crate::vocab::Verdict;
 
 pub fn render(report: &Report) -> String {
     let mut out = String::new();
@@ -94,8 +94,8 @@ fn matrix(out: &mut String, groups: &[&Vec<&Row>]) {
         if !scenarios.contains(&g[0].scenario.as_str()) {
             scenarios.push(&g[0].scenario);
         }
-        if !backends.contains(&g[0].backend.as_str()) {
-            backends.push(&g[0].backend);
+        if !backends.contains(&g[0].path.as_str()) {
+            backends.push(&g[0].path);
         }
     }
     let head: Vec<String> = backends.iter().map(|b| cell(b)).collect();
@@ -105,7 +105,7 @@ fn matrix(out: &mut String, groups: &[&Vec<&Row>]) {
         let cells: Vec<String> = backends
             .iter()
             .map(|b| {
-                let g = groups.iter().find(|g| g[0].scenario == *sc && g[0].backend == *b);
+                let g = groups.iter().find(|g| g[0].scenario == *sc && g[0].path == *b);
                 g.map_or_else(|| "-".to_string(), |g| status_cell(g))
             })
             .collect();

@@ -13,7 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::{CheckpointReport, CheckpointStatus, Phase, Report, Row, Summary};
-use crate::scenario::{ALL, Scenario};
+use crate::vocab::{STEP_LEVEL, Scenario};
 
 pub fn merge(reports: Vec<Report>) -> Result<Report, String> {
     let mut reports = reports;
@@ -45,7 +45,7 @@ pub fn merge(reports: Vec<Report>) -> Result<Report, String> {
                 row.prompt.as_str(),
                 row.scenario.as_str(),
                 row.case.as_str(),
-                row.backend.as_str(),
+                row.path.as_str(),
             );
             if *seen.entry(key).or_insert(i) != i {
                 return Err(format!("row {} is in more than one report (the same run given twice?)", row.id()));
@@ -66,7 +66,7 @@ pub fn merge(reports: Vec<Report>) -> Result<Report, String> {
     let mut rows: Vec<Row> = reports.iter().flat_map(|r| r.rows.iter().cloned()).collect();
     rows.sort_by_key(|r| {
         let c = order.iter().position(|n| *n == r.checkpoint).unwrap_or(usize::MAX);
-        (c, scenario_rank(&r.scenario), backend_rank(&r.backend))
+        (c, scenario_rank(&r.scenario), path_rank(&r.path))
     });
 
     let mut summary = Summary::of(&rows);
@@ -209,9 +209,9 @@ fn merge_checkpoint(parts: &[&CheckpointReport]) -> Option<CheckpointReport> {
 
 /// Scenarios in the order `parity` defines them; unknown names after, together.
 fn scenario_rank(name: &str) -> usize {
-    Scenario::parse(name).and_then(|s| ALL.iter().position(|x| *x == s)).unwrap_or(ALL.len())
+    Scenario::parse(name).and_then(|s| STEP_LEVEL.iter().position(|x| *x == s)).unwrap_or(STEP_LEVEL.len())
 }
 
-fn backend_rank(name: &str) -> usize {
+fn path_rank(name: &str) -> usize {
     ["dense", "paged"].iter().position(|b| *b == name).unwrap_or(2)
 }

@@ -1,8 +1,16 @@
 //! The result of a suite run, and its renderings: JSON (full precision, the machine report),
-//! insta snapshots (stable, for review), JUnit, Markdown and a terminal table.
+//! insta snapshots (stable, for review), JUnit, Markdown, HTML and a terminal table. Reports
+//! know no engine: a row reads the same whichever kind produced it.
+//!
+//! - the report types (here) and how a row is described in words ([`describe`]), shared by
+//!   every rendering; markup escaping ([`escape`]);
+//! - renderings: [`table`], [`junit`], [`markdown`], [`html`] (with [`chart`] and [`diff`]),
+//!   [`snapshot`]; and [`merge`] for the reports of shards.
 
 pub mod chart;
+pub mod describe;
 pub mod diff;
+pub mod escape;
 pub mod html;
 pub mod junit;
 pub mod markdown;
@@ -14,7 +22,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::compare::{Choice, Verdict};
+use crate::compare::{Choice, FirstDifference};
+pub use crate::environment::Environment;
+use crate::kv::KvStats;
+use crate::vocab::{EngineId, Settings, Verdict};
 
 /// Bumped when a field changes meaning or disappears (additions keep the version).
 pub const SCHEMA_VERSION: u32 = 1;
@@ -36,20 +47,6 @@ pub struct Report {
     pub checkpoints: Vec<CheckpointReport>,
     pub rows: Vec<Row>,
     pub summary: Summary,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct Environment {
-    pub mlx_version: String,
-    /// `cpu` or `gpu`: MLX's default device for the run.
-    pub device: String,
-    pub os: String,
-    pub arch: String,
-    /// The BLAS that ran MLX's CPU matmuls and the kernel it chose, when it says (OpenBLAS:
-    /// `OpenBLAS 0.3.21 ... Prescott`). Bit-identity between runs depends on it, and an
-    /// OpenBLAS that does not know the CPU falls back to a generic kernel 2-3x slower.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub blas: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -83,7 +80,7 @@ pub struct CheckpointReport {
     /// Quantized weights were dequantized at load (a speed setting; recorded because it
     /// changes the arithmetic).
     pub dequantized: bool,
-    pub settings: crate::scenario::Settings,
+    pub settings: Settings,
     pub max_rel_rms_tolerance: f32,
     /// kind = "openai": the logprob tolerance, and whether any difference fails.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -101,10 +98,10 @@ pub struct CheckpointReport {
     pub prompt_ids: BTreeMap<String, Vec<u32>>,
     /// The engine that served the paths (absent when none started).
     #[serde(default)]
-    pub engine: Option<crate::engine::EngineId>,
+    pub engine: Option<EngineId>,
     /// Where the references came from: engine and path.
     #[serde(default)]
-    pub reference_engine: Option<crate::engine::EngineId>,
+    pub reference_engine: Option<EngineId>,
     #[serde(default)]
     pub reference_path: Option<String>,
 }
@@ -123,7 +120,9 @@ pub struct Row {
     pub prompt: String,
     pub scenario: String,
     pub case: String,
-    pub backend: String,
+    /// The path the row ran on (`backend` in the JSON, as schema 1 has always written it).
+    #[serde(rename = "backend")]
+    pub path: String,
     pub verdict: Verdict,
     pub pass: bool,
     /// Why the row failed, when it did (verdict not allowed, RMS over tolerance, error).
@@ -156,7 +155,7 @@ pub struct Row {
     pub notes: Vec<String>,
     /// KV memory of the case's store at its end (peak included); absent when it did not run.
     #[serde(default)]
-    pub kv: Option<crate::kv::KvStats>,
+    pub kv: Option<KvStats>,
     /// kind = "openai": what the API returned, compared on logprobs (absent for step engines).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api: Option<ApiFacts>,
@@ -171,7 +170,7 @@ pub struct ApiFacts {
     /// Per step, worst over the row's requests.
     pub step_logprob_delta: Vec<f64>,
     /// The first logprob that differs at all (reported always; fails a `bitwise` suite).
-    pub first_difference: Option<crate::compare::FirstDifference>,
+    pub first_difference: Option<FirstDifference>,
     /// The prompt's length in parity's tokenization, and as the server counted it
     /// (`usage.prompt_tokens`); they differ when the server tokenized the text otherwise.
     pub prompt_tokens: usize,
@@ -191,16 +190,48 @@ pub struct ApiFacts {
 }
 
 impl Row {
-    /// `checkpoint/prompt/scenario:case/backend`: the one id every report prints for a row,
+    /// A row with its name and verdict, nothing measured yet: where every row starts, judged
+    /// or not.
+    pub fn new(checkpoint: &str, prompt: &str, scenario: &str, case: &str, path: &str, verdict: Verdict) -> Row {
+        Row {
+            checkpoint: checkpoint.to_string(),
+            prompt: prompt.to_string(),
+            scenario: scenario.to_string(),
+            case: case.to_string(),
+            path: path.to_string(),
+            verdict,
+            pass: false,
+            failure: None,
+            first_divergence: None,
+            tokens: Vec::new(),
+            reference_tokens: Vec::new(),
+            text: None,
+            reference_text: None,
+            max_rel_rms: None,
+            max_kl: None,
+            step_rel_rms: Vec::new(),
+            step_kl: Vec::new(),
+            step_layout: Vec::new(),
+            block_size: None,
+            noise_floor_rel_rms: None,
+            nan: false,
+            paths: 0,
+            notes: Vec::new(),
+            kv: None,
+            api: None,
+        }
+    }
+
+    /// `checkpoint/prompt/scenario:case/path`: the one id every report prints for a row,
     /// and exactly what `--filter` matches (a substring of it), so an id copied from any
     /// report selects that row.
     pub fn id(&self) -> String {
-        row_id(&self.checkpoint, &self.prompt, &self.scenario, &self.case, &self.backend)
+        row_id(&self.checkpoint, &self.prompt, &self.scenario, &self.case, &self.path)
     }
 
     /// The id inside its checkpoint (JUnit's test name; the class is the checkpoint).
     pub fn case_id(&self) -> String {
-        format!("{}/{}:{}/{}", self.prompt, self.scenario, self.case, self.backend)
+        format!("{}/{}:{}/{}", self.prompt, self.scenario, self.case, self.path)
     }
 }
 
@@ -292,11 +323,11 @@ impl Summary {
     pub fn line(&self) -> String {
         format!(
             "{}: {} passed, {} failed, {} skipped; {}; {:.2}s",
-            table::plural(self.rows, "row"),
+            describe::plural(self.rows, "row"),
             self.passed,
             self.failed,
             self.skipped,
-            table::plural(self.snapshot_changes.len(), "snapshot change"),
+            describe::plural(self.snapshot_changes.len(), "snapshot change"),
             self.seconds
         )
     }

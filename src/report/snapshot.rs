@@ -178,7 +178,7 @@ fn row(s: &mut String, r: &Row, c: &super::CheckpointReport) {
     let tolerance = c.max_rel_rms_tolerance;
     let _ = writeln!(s, "  - prompt: {}", yaml_str(&r.prompt));
     let _ = writeln!(s, "    case: {}", yaml_str(&r.case));
-    let _ = writeln!(s, "    backend: {}", r.backend);
+    let _ = writeln!(s, "    backend: {}", r.path);
     let _ = writeln!(s, "    verdict: {}", r.verdict.name());
     let _ = writeln!(s, "    pass: {}", r.pass);
     if r.nan {
@@ -187,7 +187,7 @@ fn row(s: &mut String, r: &Row, c: &super::CheckpointReport) {
         let _ = writeln!(s, "    max_rel_rms: {}", bucket(x, tolerance));
     }
     if let (Some(api), Some(tol)) = (&r.api, c.max_logprob_delta_tolerance)
-        && r.verdict != crate::compare::Verdict::Error
+        && r.verdict != crate::vocab::Verdict::Error
     {
         let _ = writeln!(s, "    max_logprob_delta: {}", bucket(api.max_logprob_delta as f32, tol));
     }

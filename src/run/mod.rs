@@ -1,36 +1,39 @@
-//! Running a suite: for each checkpoint, load the model once, compute each prompt's dense
-//! reference once, run every (scenario, backend) unit against those references, and turn the
-//! comparisons into report rows. One checkpoint failing does not stop the others.
+//! Running a suite: for each checkpoint, resolve it and read its config and tokenizer, then
+//! hand it to the driver of its kind of engine, which runs every (scenario, path) cell against
+//! the references and has each case judged into report rows. One checkpoint failing does not
+//! stop the others.
+//!
+//! - [`steps`]: engines that are stepped (builtin, process): parity's model loaded once, each
+//!   prompt's reference computed once, the step-level scenarios run on every path.
+//! - [`requests`]: servers (kind = "openai"): references from the reference path's server,
+//!   then a fresh server per cell running the request-level scenarios.
+//! - [`judge`]: the one judge turning a case of either kind into a row.
+//! - [`select`]: what `--filter`, `--scenario` and `--backend` select.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 use crate::checkpoint::{self, ModelConfig, Tokenizer};
-use crate::compare::Verdict;
-use crate::engine::{self, EnginePath};
 use crate::error::{Error, Result};
 use crate::faults::Faults;
-use crate::model::Model;
-use crate::report::{CheckpointReport, CheckpointStatus, Phase, Report, Row, SCHEMA_VERSION, Shard, Summary, row_id};
-use crate::scenario::{self, Harness, Prompt, Scenario};
-use crate::suite::{CheckpointSpec, PromptSource, PromptSpec, Suite};
+use crate::report::{CheckpointReport, CheckpointStatus, Phase, Report, Row, SCHEMA_VERSION, Shard, Summary};
+use crate::vocab::{CheckpointSpec, EngineSpec, Prompt, PromptSource, PromptSpec, Scenario, Suite, Verdict};
 
-mod rows;
+mod judge;
+mod requests;
 mod select;
+mod steps;
 
-pub(crate) use rows::{blanket_rows, empty_row};
-use rows::{case_row, floor_for};
-pub(crate) use select::selected;
-use select::{Filter, unit_selected};
+use select::Filter;
 pub use select::{check_selection, nothing_selected};
 
 #[derive(Debug, Clone, Default)]
 pub struct RunOptions {
-    /// Keep rows whose `checkpoint/prompt/scenario/backend` contains this text.
+    /// Keep rows whose id (`checkpoint/prompt/scenario:case/path`) contains this text.
     pub filter: Option<String>,
     pub scenarios: Option<Vec<Scenario>>,
     /// Only these paths (`--backend`).
-    pub backends: Option<Vec<String>>,
+    pub paths: Option<Vec<String>>,
     pub shard: Option<Shard>,
     /// An absent checkpoint is an error row instead of a skipped one.
     pub require_models: bool,
@@ -41,18 +44,19 @@ pub struct RunOptions {
 
 /// Progress callbacks; the CLI draws bars, tests pass [`NoProgress`].
 pub trait Progress {
-    fn checkpoint(&self, _name: &str, _units: usize) {}
-    fn unit(&self, _label: &str) {}
-    /// A unit finished with these rows (stream them: a run killed later keeps its log).
-    fn unit_done(&self, _rows: &[Row]) {}
+    fn checkpoint(&self, _name: &str, _cells: usize) {}
+    fn cell(&self, _label: &str) {}
+    /// A cell finished with these rows (stream them: a run killed later keeps its log).
+    fn cell_done(&self, _rows: &[Row]) {}
     fn checkpoint_done(&self) {}
 }
 
 pub struct NoProgress;
 impl Progress for NoProgress {}
 
-/// A (scenario, path) pair of one checkpoint: the unit of work (shards split by scenario).
-pub(crate) struct Unit {
+/// One cell of a checkpoint's scenario x path matrix, with the suite's prompts it runs: the
+/// unit of work (shards split by scenario).
+pub(crate) struct Cell {
     pub scenario: Scenario,
     pub path: String,
     pub prompts: Vec<usize>,
@@ -62,14 +66,14 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> R
     let started = Instant::now();
     let mut rows = Vec::new();
     let mut checkpoints = Vec::new();
-    let mut unit_index = 0usize;
+    let mut cell_index = 0usize;
     for spec in &suite.checkpoints {
-        let units = plan(suite, spec, opts, &mut unit_index);
-        if units.is_empty() {
+        let cells = plan(suite, spec, opts, &mut cell_index);
+        if cells.is_empty() {
             continue;
         }
-        progress.checkpoint(&spec.name, units.len());
-        let (report, mut r) = run_checkpoint(suite, spec, &units, opts, progress);
+        progress.checkpoint(&spec.name, cells.len());
+        let (report, mut r) = run_checkpoint(suite, spec, &cells, opts, progress);
         progress.checkpoint_done();
         // A checkpoint none of whose rows was selected is not part of this run: its absence
         // must not make a bisect step unjudgeable, nor its load time show.
@@ -87,7 +91,7 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> R
         suite_file: suite.file.display().to_string(),
         parity_version: env!("CARGO_PKG_VERSION").to_string(),
         parity_commit: env!("PARITY_GIT_COMMIT").to_string(),
-        environment: crate::runtime::environment(),
+        environment: crate::environment::environment(),
         shard: opts.shard,
         faults: opts.faults.list().iter().map(|f| f.name().to_string()).collect(),
         checkpoints,
@@ -96,11 +100,11 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> R
     }
 }
 
-/// The units of one checkpoint this run (filters and shard applied). Shards split the suite
+/// The cells of one checkpoint this run (filters and shard applied). Shards split the suite
 /// by (checkpoint, scenario), numbered over the whole suite in file order, so every shard
 /// agrees on who runs what and each snapshot file comes from exactly one shard.
-fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usize) -> Vec<Unit> {
-    let mut units = Vec::new();
+fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usize) -> Vec<Cell> {
+    let mut cells = Vec::new();
     for &scenario in &spec.scenarios {
         if opts.scenarios.as_ref().is_some_and(|s| !s.contains(&scenario)) {
             continue;
@@ -111,12 +115,12 @@ fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usi
             continue;
         }
         for path in &spec.paths {
-            if opts.backends.as_ref().is_some_and(|b| !b.contains(path)) {
+            if opts.paths.as_ref().is_some_and(|b| !b.contains(path)) {
                 continue;
             }
             // Every prompt of the checkpoint, whatever the filter: scenarios pair prompts
             // (ragged partners), so a selected row must see the same prompts as in a full run.
-            // The filter selects rows inside the scenarios (`Harness::select`).
+            // The filter selects rows inside the scenarios (`Setup::select`).
             let prompts: Vec<usize> = suite
                 .prompts
                 .iter()
@@ -125,11 +129,11 @@ fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usi
                 .map(|(i, _)| i)
                 .collect();
             if !prompts.is_empty() {
-                units.push(Unit { scenario, path: path.clone(), prompts });
+                cells.push(Cell { scenario, path: path.clone(), prompts });
             }
         }
     }
-    units
+    cells
 }
 
 fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> CheckpointReport {
@@ -155,14 +159,28 @@ fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> Checkpo
     }
 }
 
+/// A checkpoint of the suite resolved to its directory, its config and tokenizer read: what
+/// the driver of either kind of engine starts from.
+pub(crate) struct Resolved<'a> {
+    pub suite: &'a Suite,
+    pub spec: &'a CheckpointSpec,
+    pub dir: std::path::PathBuf,
+    pub config: ModelConfig,
+    pub tokenizer: Tokenizer,
+    /// When loading began (the builtin's "load" phase counts from here).
+    pub loading: Instant,
+    pub filter: Filter<'a>,
+}
+
 fn run_checkpoint(
     suite: &Suite,
     spec: &CheckpointSpec,
-    units: &[Unit],
+    cells: &[Cell],
     opts: &RunOptions,
     progress: &dyn Progress,
 ) -> (CheckpointReport, Vec<Row>) {
     let mut report = checkpoint_report(spec, CheckpointStatus::Ran);
+    let filter = Filter(opts.filter.as_deref());
     let dir = match checkpoint::resolve(&spec.reference, &suite.dir()) {
         Ok(d) => d,
         Err(e) => {
@@ -175,12 +193,12 @@ fn run_checkpoint(
             };
             report.status = status;
             report.reason = Some(why.clone());
-            return (report, blanket_rows(suite, spec, units, opts, verdict, &why));
+            return (report, blanket_rows(suite, spec, cells, filter, verdict, &why));
         }
     };
     report.resolved = Some(dir.display().to_string());
 
-    let t = Instant::now();
+    let loading = Instant::now();
     let meta = ModelConfig::load(&dir).and_then(|c| Ok((c, Tokenizer::load(&dir)?)));
     let (config, tokenizer) = match meta {
         Ok(x) => x,
@@ -188,178 +206,41 @@ fn run_checkpoint(
             let why = e.to_string();
             report.status = CheckpointStatus::Error;
             report.reason = Some(why.clone());
-            return (report, blanket_rows(suite, spec, units, opts, Verdict::Error, &why));
+            return (report, blanket_rows(suite, spec, cells, filter, Verdict::Error, &why));
         }
     };
-    // A server cannot be stepped: it runs the request-level scenarios on its own.
-    if let crate::suite::EngineSpec::Openai(o) = &spec.engine {
-        let ctx =
-            engine::openai::Checkpoint { suite, spec, openai: o, dir: &dir, tokenizer: &tokenizer, config: &config };
-        let rows = engine::openai::run_checkpoint(&ctx, units, opts, progress, &mut report);
-        return (report, rows);
-    }
+    let r = Resolved { suite, spec, dir, config, tokenizer, loading, filter };
+    let rows = match &spec.engine {
+        // A server cannot be stepped: it runs the request-level scenarios.
+        EngineSpec::Openai(o) => requests::run(&r, o, cells, opts, progress, &mut report),
+        EngineSpec::Builtin | EngineSpec::Process(_) => steps::run(&r, cells, opts, progress, &mut report),
+    };
+    (report, rows)
+}
 
-    // Prompts, encoded once. A prompt that cannot be encoded fails its own rows only.
-    let mut prompts: BTreeMap<usize, std::result::Result<Prompt, String>> = BTreeMap::new();
-    for u in units {
-        for &p in &u.prompts {
+/// Every prompt the cells run, encoded once by its index in the suite; one that cannot be
+/// encoded fails its own rows only. `vocab`: the vocabulary every id must fall in.
+fn encode_all(r: &Resolved, cells: &[Cell], vocab: usize) -> BTreeMap<usize, std::result::Result<Prompt, String>> {
+    let mut prompts = BTreeMap::new();
+    for c in cells {
+        for &p in &c.prompts {
             prompts.entry(p).or_insert_with(|| {
-                encode(&suite.prompts[p], &tokenizer, &config, config.vocab_size, spec.settings.max_tokens)
+                encode(&r.suite.prompts[p], &r.tokenizer, &r.config, vocab, r.spec.settings.max_tokens)
                     .map_err(|e| e.to_string())
             });
         }
     }
-    report.prompt_ids = encoded_ids(&prompts);
-    let pad = config.pad_token_id.or_else(|| config.eos_token_ids.first().copied()).unwrap_or(0);
-    let filter = Filter(opts.filter.as_deref());
-    let all: Vec<Prompt> = prompts.values().filter_map(|p| p.as_ref().ok().cloned()).collect();
-    // Under a filter, only the units with a selected row load or start anything.
-    let units: Vec<&Unit> = match opts.filter {
-        None => units.iter().collect(),
-        Some(_) => {
-            units.iter().filter(|u| unit_selected(spec, u, suite, &prompts, &all, filter, pad, &config)).collect()
-        }
-    };
-    if units.is_empty() {
-        return (report, Vec::new());
-    }
-
-    let model = if spec.engine.needs_builtin() {
-        match Model::load(&dir, config.clone(), spec.dtype.resolve(), spec.dequantize) {
-            Ok(m) => Some(m),
-            Err(e) => {
-                let why = e.to_string();
-                report.status = CheckpointStatus::Error;
-                report.reason = Some(why.clone());
-                return (report, blanket_rows(suite, spec, units.iter().copied(), opts, Verdict::Error, &why));
-            }
-        }
-    } else {
-        None
-    };
-    report.phases.push(Phase { name: "load".into(), seconds: t.elapsed().as_secs_f64() });
-
-    // The engine: the reference path first (nothing can be judged without it), then every
-    // path a unit needs. A path that cannot start fails its own rows only.
-    let t = Instant::now();
-    let suite_dir = suite.dir();
-    let open = |name: Option<&str>| engine::open(spec, name, model.as_ref(), &dir, &suite_dir);
-    let mut reference = match open(None) {
-        Ok(r) => r,
-        Err(e) => {
-            let why = format!("reference path {}: {e}", spec.engine.reference().describe());
-            report.status = CheckpointStatus::Error;
-            report.reason = Some(why.clone());
-            return (report, blanket_rows(suite, spec, units.iter().copied(), opts, Verdict::Error, &why));
-        }
-    };
-    let mut paths: BTreeMap<String, std::result::Result<Box<dyn EnginePath + '_>, String>> = BTreeMap::new();
-    for u in &units {
-        if !paths.contains_key(&u.path) {
-            paths.insert(u.path.clone(), open(Some(&u.path)).map_err(|e| e.to_string()));
-        }
-    }
-    if !matches!(spec.engine, crate::suite::EngineSpec::Builtin) {
-        report.phases.push(Phase { name: "start".into(), seconds: t.elapsed().as_secs_f64() });
-    }
-    let reference_info = reference.info().clone();
-    report.dtype = reference_info.dtype.name().to_string();
-    report.reference_engine = Some(reference_info.engine.clone());
-    report.reference_path = Some(reference_info.name.clone());
-    report.engine = paths.values().find_map(|p| p.as_ref().ok()).map(|p| p.info().engine.clone());
-
-    // The engine's vocabulary is what counts (an adapter may pad it differently from config.json).
-    for p in prompts.values_mut() {
-        if let Ok(prompt) = p
-            && let Some(bad) = prompt.ids.iter().find(|&&i| i as usize >= reference_info.vocab_size)
-        {
-            *p = Err(format!(
-                "prompt `{}`: token id {bad} is outside the engine's vocabulary of {}",
-                prompt.name, reference_info.vocab_size
-            ));
-        }
-    }
-    let mut harness = Harness::new(reference.as_mut(), spec.settings.clone(), opts.faults, pad);
-    // References and noise floors are computed when a selected row first needs them, so a
-    // narrow `--filter` (bisect) pays for its own rows only.
-    let mut floors: BTreeMap<String, Option<f32>> = BTreeMap::new();
-    let mut rows = Vec::new();
-    for u in units {
-        let label = format!("{} {}", u.scenario.name(), u.path);
-        progress.unit(&label);
-        let t = Instant::now();
-        let mut unit_rows = Vec::new();
-        let mut ok_prompts = Vec::new();
-        for &p in &u.prompts {
-            match &prompts[&p] {
-                Ok(prompt) => ok_prompts.push(prompt.clone()),
-                Err(why) => {
-                    let mut row = empty_row(spec, &suite.prompts[p].name, u.scenario, "*", &u.path, Verdict::Error);
-                    row.failure = Some(why.clone());
-                    unit_rows.push(row);
-                }
-            }
-        }
-        let (ck, sc, path_name) = (spec.name.as_str(), u.scenario.name(), u.path.as_str());
-        let select: Option<scenario::Selector> = opts.filter.as_ref().map(|_| {
-            Box::new(move |prompt: &str, case: &str| filter.selects(&row_id(ck, prompt, sc, case, path_name)))
-                as scenario::Selector
-        });
-        harness.select(select);
-        if !ok_prompts.is_empty() {
-            match paths.get_mut(&u.path) {
-                Some(Ok(path)) => {
-                    let info = path.info().clone();
-                    for c in u.scenario.run(&mut harness, path.as_mut(), &ok_prompts) {
-                        let floor = floor_for(&mut harness, &mut floors, &c.prompt.name, &all);
-                        unit_rows.push(case_row(&mut harness, spec, u, &c, &tokenizer, floor, &info));
-                    }
-                    // Cases the scenario could not form for a prompt: skipped rows, not missing.
-                    for (prompt, case, why) in crate::coverage::absent_cases(u.scenario, &ok_prompts) {
-                        let mut row = empty_row(spec, &prompt, u.scenario, case, &u.path, Verdict::Skipped);
-                        row.pass = true;
-                        row.notes.push(why);
-                        unit_rows.push(row);
-                    }
-                }
-                Some(Err(why)) => {
-                    for p in &ok_prompts {
-                        let mut row = empty_row(spec, &p.name, u.scenario, "*", &u.path, Verdict::Error);
-                        row.failure = Some(format!("path {} did not start: {why}", u.path));
-                        unit_rows.push(row);
-                    }
-                }
-                None => {}
-            }
-        }
-        harness.select(None);
-        // Exact: a case yielding several rows (the prefix donor and adopter, a concurrent
-        // schedule) runs whole, but only the rows asked for are reported.
-        unit_rows.retain(|r| filter.selects_row(r));
-        report.phases.push(Phase { name: label, seconds: t.elapsed().as_secs_f64() });
-        progress.unit_done(&unit_rows);
-        rows.append(&mut unit_rows);
-    }
-    report.noise_floor = floors;
-    (report, rows)
+    prompts
 }
 
 /// The ids of every prompt that encoded, by name, for the report (and its prompts snapshot).
-pub(crate) fn encoded_ids(
-    prompts: &BTreeMap<usize, std::result::Result<Prompt, String>>,
-) -> BTreeMap<String, Vec<u32>> {
+fn encoded_ids(prompts: &BTreeMap<usize, std::result::Result<Prompt, String>>) -> BTreeMap<String, Vec<u32>> {
     prompts.values().filter_map(|p| p.as_ref().ok()).map(|p| (p.name.clone(), p.ids.clone())).collect()
 }
 
 /// Encode a suite prompt for this checkpoint, apply `length`, and check it fits the context
 /// with the tokens to generate.
-pub(crate) fn encode(
-    p: &PromptSpec,
-    tok: &Tokenizer,
-    config: &ModelConfig,
-    vocab: usize,
-    max_tokens: usize,
-) -> Result<Prompt> {
+fn encode(p: &PromptSpec, tok: &Tokenizer, config: &ModelConfig, vocab: usize, max_tokens: usize) -> Result<Prompt> {
     let mut ids = match &p.source {
         PromptSource::Text(t) => tok.encode_raw(t)?,
         PromptSource::Chat(t) => tok.encode_chat(t)?,
@@ -387,4 +268,75 @@ pub(crate) fn encode(
         )));
     }
     Ok(Prompt { name: p.name.clone(), ids })
+}
+
+/// Run `cells` in order: each is announced, timed (a phase named `<scenario> <path>`, after
+/// any phases the cell itself records) and streamed to `progress` with its rows, which `run`
+/// makes and the filter then narrows to the rows asked for (a case yielding several rows, such
+/// as a prefix donor and adopter or a concurrent schedule, runs whole).
+fn each_cell<'c>(
+    cells: impl IntoIterator<Item = &'c Cell>,
+    filter: Filter,
+    progress: &dyn Progress,
+    phases: &mut Vec<Phase>,
+    mut run: impl FnMut(&Cell, &mut Vec<Phase>) -> Vec<Row>,
+) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for cell in cells {
+        let label = format!("{} {}", cell.scenario.name(), cell.path);
+        progress.cell(&label);
+        let t = Instant::now();
+        let mut cell_rows = run(cell, phases);
+        cell_rows.retain(|r| filter.selects_row(r));
+        phases.push(Phase { name: label, seconds: t.elapsed().as_secs_f64() });
+        progress.cell_done(&cell_rows);
+        rows.append(&mut cell_rows);
+    }
+    rows
+}
+
+/// The rows of a cell's prompts that could not be encoded: each fails its own `*` row.
+fn unencoded_rows(
+    r: &Resolved,
+    cell: &Cell,
+    prompts: &BTreeMap<usize, std::result::Result<Prompt, String>>,
+) -> Vec<Row> {
+    cell.prompts
+        .iter()
+        .filter_map(|p| {
+            let why = prompts[p].as_ref().err()?;
+            let mut row = cell_row(r.spec, cell, &r.suite.prompts[*p].name, "*", Verdict::Error);
+            row.failure = Some(why.clone());
+            Some(row)
+        })
+        .collect()
+}
+
+/// A row of `cell`, named and with its verdict, nothing measured.
+fn cell_row(spec: &CheckpointSpec, cell: &Cell, prompt: &str, case: &str, verdict: Verdict) -> Row {
+    Row::new(&spec.name, prompt, cell.scenario.name(), case, &cell.path, verdict)
+}
+
+/// Rows for cells that could not run at all (checkpoint absent or broken, reference path not
+/// started): one `*` row per prompt, saying why.
+fn blanket_rows<'c>(
+    suite: &Suite,
+    spec: &CheckpointSpec,
+    cells: impl IntoIterator<Item = &'c Cell>,
+    filter: Filter,
+    verdict: Verdict,
+    why: &str,
+) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for c in cells {
+        for &p in &c.prompts {
+            let mut row = cell_row(spec, c, &suite.prompts[p].name, "*", verdict);
+            row.pass = verdict == Verdict::Skipped;
+            row.failure = (verdict != Verdict::Skipped).then(|| why.to_string());
+            row.notes.push(why.lines().next().unwrap_or(why).to_string());
+            rows.push(row);
+        }
+    }
+    rows.retain(|r| filter.selects_row(r));
+    rows
 }

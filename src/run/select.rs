@@ -1,31 +1,28 @@
-//! What a run selects (`--filter`, `--scenario`, `--backend`): which rows and units, refused
+//! What a run selects (`--filter`, `--scenario`, `--backend`): which rows and cells, refused
 //! before any work when it names nothing the suite has, and said plainly when a run selected
 //! no row (a run that selects nothing never passes: `git bisect run` relies on it).
 
 use std::collections::BTreeMap;
 
-use super::rows::empty_row;
-use super::{RunOptions, Unit};
-use crate::checkpoint::ModelConfig;
-use crate::compare::Verdict;
-use crate::engine::{self};
+use super::{Cell, Resolved, RunOptions, cell_row};
+use crate::engine;
 use crate::faults::Faults;
 use crate::report::{Row, row_id};
-use crate::scenario::{Harness, Prompt};
-use crate::suite::{CheckpointSpec, Suite};
+use crate::scenario::{self, Setup};
+use crate::vocab::{CheckpointSpec, Prompt, Suite, Verdict};
 
 /// `--filter`: a row is selected when its id (`Row::id`) contains the text. Rows standing for
 /// a whole unit of a prompt (case `*`: the checkpoint is absent, the prompt does not encode)
 /// are selected by an id of any case of that unit.
 #[derive(Clone, Copy)]
-pub(super) struct Filter<'a>(pub(super) Option<&'a str>);
+pub(crate) struct Filter<'a>(pub(crate) Option<&'a str>);
 
 impl Filter<'_> {
-    pub(super) fn selects(&self, id: &str) -> bool {
+    pub(crate) fn selects(&self, id: &str) -> bool {
         self.0.is_none_or(|f| id.contains(f))
     }
 
-    pub(super) fn selects_row(&self, row: &Row) -> bool {
+    pub(crate) fn selects_row(&self, row: &Row) -> bool {
         let id = row.id();
         if row.case != "*" {
             return self.selects(&id);
@@ -41,48 +38,39 @@ impl Filter<'_> {
     }
 }
 
-/// `--filter` on a row an engine built itself (kind = "openai" plans its own units).
-pub(crate) fn selected(opts: &RunOptions, row: &Row) -> bool {
-    Filter(opts.filter.as_deref()).selects_row(row)
-}
-
-/// Whether unit `u` yields a row `filter` selects. Scenarios name each row (prompt, case)
-/// before they touch an engine, so running them against a stand-in that records what is
-/// wanted and lets nothing run names exactly the rows a real run would make: the plan and the
-/// run cannot disagree.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn unit_selected(
-    spec: &CheckpointSpec,
-    u: &Unit,
-    suite: &Suite,
+/// Whether cell `c` of a stepped engine yields a row the filter selects. Scenarios name each
+/// row (prompt, case) before they touch an engine, so running them against a stand-in that
+/// records what is wanted and lets nothing run names exactly the rows a real run would make:
+/// the plan and the run cannot disagree.
+pub(super) fn cell_selected(
+    r: &Resolved,
+    c: &Cell,
     prompts: &BTreeMap<usize, std::result::Result<Prompt, String>>,
     all: &[Prompt],
-    filter: Filter,
     pad: u32,
-    config: &ModelConfig,
 ) -> bool {
-    let (ck, sc, path) = (spec.name.as_str(), u.scenario.name(), u.path.as_str());
-    let failed_prompt = u.prompts.iter().any(|p| {
-        prompts[p].is_err()
-            && filter.selects_row(&empty_row(spec, &suite.prompts[*p].name, u.scenario, "*", path, Verdict::Error))
+    let (spec, suite, filter) = (r.spec, r.suite, r.filter);
+    let (ck, sc, path) = (spec.name.as_str(), c.scenario.name(), c.path.as_str());
+    let failed_prompt = c.prompts.iter().any(|p| {
+        prompts[p].is_err() && filter.selects_row(&cell_row(spec, c, &suite.prompts[*p].name, "*", Verdict::Error))
     });
     if failed_prompt {
         return true;
     }
-    let mut stand_in = engine::Planning::new(config.vocab_size);
-    let mut reference = engine::Planning::new(config.vocab_size);
+    let mut stand_in = engine::Planning::new(r.config.vocab_size);
+    let mut reference = engine::Planning::new(r.config.vocab_size);
     let found = std::cell::Cell::new(false);
-    let mut h = Harness::new(&mut reference, spec.settings.clone(), Faults::NONE, pad);
-    h.select(Some(Box::new(|prompt: &str, case: &str| {
+    let mut setup = Setup::new(&mut reference, spec.settings.clone(), Faults::NONE, pad);
+    setup.select(Some(Box::new(|prompt: &str, case: &str| {
         if filter.selects(&row_id(ck, prompt, sc, case, path)) {
             found.set(true);
         }
         false
     })));
     let mine: Vec<Prompt> =
-        all.iter().filter(|p| u.prompts.iter().any(|&i| suite.prompts[i].name == p.name)).cloned().collect();
-    let _ = u.scenario.run(&mut h, &mut stand_in, &mine);
-    drop(h);
+        all.iter().filter(|p| c.prompts.iter().any(|&i| suite.prompts[i].name == p.name)).cloned().collect();
+    let _ = scenario::run(c.scenario, &mut setup, &mut stand_in, &mine);
+    drop(setup);
     found.get()
 }
 
@@ -111,7 +99,7 @@ pub fn check_selection(suite: &Suite, opts: &RunOptions) -> std::result::Result<
         }
     }
     let paths = has(&|c| c.paths.clone());
-    for b in opts.backends.iter().flatten() {
+    for b in opts.paths.iter().flatten() {
         if !paths.contains(b) {
             return Err(format!(
                 "--backend {b}: suite {} has no such path (it has {})",
@@ -132,7 +120,7 @@ pub fn nothing_selected(suite: &Suite, opts: &RunOptions) -> String {
     for s in opts.scenarios.iter().flatten() {
         asked.push(format!("--scenario {}", s.name()));
     }
-    for b in opts.backends.iter().flatten() {
+    for b in opts.paths.iter().flatten() {
         asked.push(format!("--backend {b}"));
     }
     if let Some(s) = opts.shard {

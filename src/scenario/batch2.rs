@@ -5,18 +5,19 @@
 //! - `ragged`: the prompt in batch row 1 next to a prompt of another length in row 0, so the
 //!   rows' positions differ and exchanging or sharing them shows.
 
-use super::{CaseOutput, Harness, Live, Prompt, attempt, case, decode_all, need_batch, prefill, ragged_partner};
+use super::{CaseOutput, ForcedSeq, Prompt, Setup, attempt, case, decode_all, need_batch, prefill, ragged_partner};
 use crate::engine::EnginePath;
 
-pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
+pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
     let mut out = Vec::new();
-    let steps = h.settings.max_tokens;
+    let steps = setup.settings.max_tokens;
     for (i, p) in prompts.iter().enumerate() {
-        attempt(h, &mut out, &[(p, "same")], |h| {
+        attempt(setup, &mut out, &[(p, "same")], |setup| {
             need_batch(path, 2)?;
-            let reference = h.reference(&p.ids)?;
-            let mut s = path.session(h.faults)?;
-            let mut lives = [Live::new(s.create(0)?, &reference, steps), Live::new(s.create(0)?, &reference, steps)];
+            let reference = setup.reference(&p.ids)?;
+            let mut s = path.session(setup.faults)?;
+            let mut lives =
+                [ForcedSeq::new(s.create(0)?, &reference, steps), ForcedSeq::new(s.create(0)?, &reference, steps)];
             for live in lives.iter_mut() {
                 prefill(s.as_mut(), live, &p.ids)?;
             }
@@ -25,14 +26,14 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
         });
 
         if let Some(j) = ragged_partner(prompts, i) {
-            attempt(h, &mut out, &[(p, "ragged")], |h| {
+            attempt(setup, &mut out, &[(p, "ragged")], |setup| {
                 need_batch(path, 2)?;
                 let other = &prompts[j];
-                let reference = h.reference(&p.ids)?;
-                let other_ref = h.reference(&other.ids)?;
-                let mut s = path.session(h.faults)?;
+                let reference = setup.reference(&p.ids)?;
+                let other_ref = setup.reference(&other.ids)?;
+                let mut s = path.session(setup.faults)?;
                 let mut lives =
-                    [Live::new(s.create(0)?, &other_ref, steps), Live::new(s.create(0)?, &reference, steps)];
+                    [ForcedSeq::new(s.create(0)?, &other_ref, steps), ForcedSeq::new(s.create(0)?, &reference, steps)];
                 prefill(s.as_mut(), &mut lives[0], &other.ids)?;
                 prefill(s.as_mut(), &mut lives[1], &p.ids)?;
                 decode_all(s.as_mut(), &mut lives)?;

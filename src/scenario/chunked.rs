@@ -1,23 +1,23 @@
 //! chunked: prefill in chunks of C tokens, each chunk a forward that continues the sequence
 //! (causal attention aligned to the chunk's offset), then decode.
 
-use super::{CaseOutput, Harness, Live, Prompt, attempt, case, decode_all, record_step};
+use super::{CaseOutput, ForcedSeq, Prompt, Setup, attempt, case, decode_all, record_step};
 use crate::engine::EnginePath;
 use crate::error::Error;
 use crate::model::RowStep;
 
-pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
-    let c = h.settings.chunk;
+pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
+    let c = setup.settings.chunk;
     let name = format!("c{c}");
     let mut out = Vec::new();
     for p in prompts {
-        attempt(h, &mut out, &[(p, &name)], |h| {
+        attempt(setup, &mut out, &[(p, &name)], |setup| {
             if c == 0 {
                 return Err(Error::Invalid("chunk must be positive".into()));
             }
-            let reference = h.reference(&p.ids)?;
-            let mut s = path.session(h.faults)?;
-            let mut live = Live::new(s.create(0)?, &reference, h.settings.max_tokens);
+            let reference = setup.reference(&p.ids)?;
+            let mut s = path.session(setup.faults)?;
+            let mut live = ForcedSeq::new(s.create(0)?, &reference, setup.settings.max_tokens);
             let chunks: Vec<&[u32]> = p.ids.chunks(c).collect();
             let last = chunks.len() - 1;
             for (k, chunk) in chunks.iter().enumerate() {

@@ -3,7 +3,7 @@
 //! finished paged row releases its blocks and later rows reuse them. Every request is
 //! compared with its own dense single reference. Same schedule, same result.
 
-use super::{CaseOutput, Harness, Live, Outcome, Prompt, case, decode_step, need_batch, prefill};
+use super::{CaseOutput, ForcedSeq, Outcome, Prompt, Setup, case, decode_step, need_batch, prefill};
 use crate::engine::{EnginePath, Session};
 use crate::error::{Error, Result};
 
@@ -12,48 +12,36 @@ struct Request {
     prompt: Prompt,
     arrival: usize,
     joined: Option<usize>,
-    live: Live,
+    live: ForcedSeq,
 }
 
 /// One schedule for all prompts: if it cannot run, every prompt's row says why.
-pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
+pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
     // One schedule: it runs whole if any of its requests' rows is wanted.
-    let n = h.settings.concurrent.requests;
-    if prompts.is_empty() || !(0..n).any(|j| h.wants(&prompts[j % prompts.len()].name, &format!("req{j}"))) {
+    let n = setup.settings.concurrent.requests;
+    if prompts.is_empty() || !(0..n).any(|j| setup.wants(&prompts[j % prompts.len()].name, &format!("req{j}"))) {
         return Vec::new();
     }
-    match schedule(h, path, prompts) {
-        Ok(cases) => cases,
-        Err(e) => {
-            let outcome = match e {
-                Error::Unsupported(why) => Outcome::Skipped(why),
-                e => Outcome::Failed(e.to_string()),
-            };
-            CaseOutput::for_every_prompt(prompts, outcome)
-        }
-    }
+    schedule(setup, path, prompts).unwrap_or_else(|e| CaseOutput::for_every_prompt(prompts, Outcome::of(e)))
 }
 
-fn schedule(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
-    let s = h.settings.concurrent.clone();
+fn schedule(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
+    let s = setup.settings.concurrent.clone();
     if prompts.is_empty() || s.requests == 0 || s.max_batch == 0 || s.arrivals.is_empty() {
         return Err(Error::Invalid("concurrent needs prompts, requests > 0, max_batch > 0 and arrivals".into()));
     }
     need_batch(path, s.max_batch.min(s.requests))?;
-    let max_tokens = h.settings.max_tokens;
+    let max_tokens = setup.settings.max_tokens;
     let mut references = Vec::with_capacity(s.requests);
     for j in 0..s.requests {
-        references.push(h.reference(&prompts[j % prompts.len()].ids)?);
+        references.push(setup.reference(&prompts[j % prompts.len()].ids)?);
     }
-    let mut session = path.session(h.faults)?;
+    let mut session = path.session(setup.faults)?;
     let mut pending = Vec::new();
-    for j in 0..s.requests {
+    for (j, arrival) in s.schedule(max_tokens).into_iter().enumerate() {
         let prompt = prompts[j % prompts.len()].clone();
-        let reference = &references[j];
-        // Staggered lengths, so rows leave at different steps as well as join at them.
-        let steps = max_tokens.saturating_sub((j % 3) * (max_tokens / 4)).max(1);
-        let live = Live::new(session.create(0)?, reference, steps);
-        pending.push(Request { index: j, prompt, arrival: s.arrivals[j % s.arrivals.len()], joined: None, live });
+        let live = ForcedSeq::new(session.create(0)?, &references[j], arrival.steps);
+        pending.push(Request { index: j, prompt, arrival: arrival.at, joined: None, live });
     }
     // Requests keep their creation order among equal arrivals.
     pending.sort_by_key(|r| (r.arrival, r.index));
@@ -79,7 +67,7 @@ fn schedule(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> R
             continue;
         }
         peak_batch = peak_batch.max(active.len());
-        let mut lives: Vec<&mut Live> = active.iter_mut().map(|r| &mut r.live).collect();
+        let mut lives: Vec<&mut ForcedSeq> = active.iter_mut().map(|r| &mut r.live).collect();
         decode_step(session.as_mut(), &mut lives)?;
         retire(session.as_mut(), &mut active, &mut finished)?;
         step += 1;

@@ -1,198 +1,84 @@
-//! Decode scenarios: the ways an engine batches, pads, chunks, trims and shares sequences.
-//! Each scenario is a small module that builds a plan and runs it on one path through the
-//! engine interface ([`Session`]); adding one never touches an engine.
+//! Scenarios: the ways an engine batches, pads, chunks, trims and shares sequences, each
+//! producing case outputs that the run's judge turns into rows.
 //!
-//! Every path is teacher-forced with its prompt's reference tokens (the dense single-sequence
-//! unpadded run): at each step the path's own greedy choice and its full logits row are
-//! recorded, and the reference token is fed next. The first divergence is therefore the first
-//! step where the path would have chosen differently, and after it the metrics keep measuring
-//! the same computation, so a tie at step 5 cannot hide a RoPE bug at step 20.
+//! - Step level ([`run`], one small module per scenario): a plan run on one path through the
+//!   step interface ([`EnginePath`], [`Session`]); adding one never touches an engine. Every
+//!   path is teacher-forced with its prompt's reference tokens (the reference path, one
+//!   sequence, unpadded): at each step the path's own greedy choice and its full logits row are
+//!   recorded, and the reference token is fed next. The first divergence is therefore the first
+//!   step where the path would have chosen differently, and after it the metrics keep measuring
+//!   the same computation, so a tie at step 5 cannot hide a RoPE bug at step 20.
+//! - Request level ([`requests`]): what to send a server and when, through the request
+//!   interface ([`crate::engine::openai::RequestPath`]); each measured answer is compared with
+//!   the reference path's answer to the same prompt sent alone.
 
 pub mod batch2;
 pub mod chunked;
 pub mod concurrent;
 pub mod padded;
 pub mod prefix;
+pub mod requests;
 pub mod rollback;
 pub mod single;
 
 use std::collections::HashMap;
 
 use mlx_rs::Array;
-use serde::{Deserialize, Serialize};
 
-use crate::engine::{self, EnginePath, PathInfo, Session, Trace};
+use crate::array::{greedy, require_finite, rows};
+use crate::engine::{self, EnginePath, PathInfo, Session};
 use crate::error::{Error, Result};
 use crate::faults::Faults;
 use crate::kv::{KvStats, SeqId};
 use crate::model::RowStep;
+use crate::vocab::{PathTrace, Prompt, Scenario, Settings, StepLayout, Trace};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Scenario {
-    Single,
-    Batch2,
-    Concurrent,
-    Padded,
-    Chunked,
-    Rollback,
-    Prefix,
-    /// Request level only (kind = "openai"): prompt lengths across tile/block boundaries.
-    Lengths,
-    /// Request level only (kind = "openai"): the same request twice, uncached then cached.
-    Repeat,
+/// Every case of step-level scenario `sc` for `prompts` on `path`, then a skipped case for each
+/// case the scenario cannot form for a prompt (a row that says why, never a missing one).
+/// Never fails as a whole: a case that cannot run is a failed or skipped case, and the others
+/// go on.
+pub fn run(sc: Scenario, setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
+    let mut cases = match sc {
+        Scenario::Single => single::run(setup, path, prompts),
+        Scenario::Batch2 => batch2::run(setup, path, prompts),
+        Scenario::Concurrent => concurrent::run(setup, path, prompts),
+        Scenario::Padded => padded::run(setup, path, prompts),
+        Scenario::Chunked => chunked::run(setup, path, prompts),
+        Scenario::Rollback => rollback::run(setup, path, prompts),
+        Scenario::Prefix => prefix::run(setup, path, prompts),
+        // Suites refuse these on step-level engines (the parser); never silently pass.
+        Scenario::Lengths | Scenario::Repeat => CaseOutput::for_every_prompt(
+            prompts,
+            Outcome::Failed(format!("`{}` runs on kind = \"openai\" only", sc.name())),
+        ),
+    };
+    cases.extend(absent(sc, prompts));
+    cases
 }
 
-pub const ALL: &[Scenario] = &[
-    Scenario::Single,
-    Scenario::Batch2,
-    Scenario::Concurrent,
-    Scenario::Padded,
-    Scenario::Chunked,
-    Scenario::Rollback,
-    Scenario::Prefix,
-];
-
-/// What an engine that can only be sent whole requests runs (kind = "openai"), and its default.
-pub const REQUEST_LEVEL: &[Scenario] =
-    &[Scenario::Single, Scenario::Batch2, Scenario::Concurrent, Scenario::Lengths, Scenario::Prefix, Scenario::Repeat];
-
-impl Scenario {
-    pub fn name(self) -> &'static str {
-        match self {
-            Scenario::Single => "single",
-            Scenario::Batch2 => "batch2",
-            Scenario::Concurrent => "concurrent",
-            Scenario::Padded => "padded",
-            Scenario::Chunked => "chunked",
-            Scenario::Rollback => "rollback",
-            Scenario::Prefix => "prefix",
-            Scenario::Lengths => "lengths",
-            Scenario::Repeat => "repeat",
+/// Cases a step-level scenario leaves out for a prompt (no partner of another length, a prompt
+/// too short to share): skipped cases with the reason.
+fn absent(sc: Scenario, prompts: &[Prompt]) -> Vec<CaseOutput> {
+    let mut out = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let unpaired = ragged_partner(prompts, i).is_none();
+        let why = || format!("no prompt of another length than {} tokens to pair with", p.ids.len());
+        let skip = |case: &str, why: String| CaseOutput::new(case, p, Vec::new(), Outcome::Skipped(why));
+        match sc {
+            Scenario::Batch2 if unpaired => out.push(skip("ragged", why())),
+            Scenario::Padded if unpaired => out.push(skip("batch-right", why())),
+            Scenario::Prefix if p.ids.len() < 3 => out.push(skip(
+                "*",
+                format!(
+                    "the {}-token prompt is too short to share: prefix needs at least 3 tokens (a shared part \
+                     and an own part)",
+                    p.ids.len()
+                ),
+            )),
+            _ => {}
         }
     }
-
-    pub fn parse(s: &str) -> Option<Scenario> {
-        ALL.iter().chain(REQUEST_LEVEL).copied().find(|x| x.name() == s)
-    }
-
-    /// Every scenario name, for error messages.
-    pub fn known_names() -> Vec<&'static str> {
-        let mut names: Vec<&str> = ALL.iter().map(|s| s.name()).collect();
-        let more: Vec<&str> = REQUEST_LEVEL.iter().map(|s| s.name()).filter(|n| !names.contains(n)).collect();
-        names.extend(more);
-        names
-    }
-
-    /// Every case of this scenario for `prompts` on `path`. Never fails as a whole: a case
-    /// that cannot run is a failed or skipped case, and the others go on.
-    pub fn run(self, h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
-        match self {
-            Scenario::Single => single::run(h, path, prompts),
-            Scenario::Batch2 => batch2::run(h, path, prompts),
-            Scenario::Concurrent => concurrent::run(h, path, prompts),
-            Scenario::Padded => padded::run(h, path, prompts),
-            Scenario::Chunked => chunked::run(h, path, prompts),
-            Scenario::Rollback => rollback::run(h, path, prompts),
-            Scenario::Prefix => prefix::run(h, path, prompts),
-            // Suites refuse these on step-level engines (suite.rs); never silently pass.
-            Scenario::Lengths | Scenario::Repeat => CaseOutput::for_every_prompt(
-                prompts,
-                Outcome::Failed(format!("`{}` runs on kind = \"openai\" only", self.name())),
-            ),
-        }
-    }
-}
-
-/// Scenario settings, from the suite (with these defaults).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Settings {
-    /// Greedy steps per path (the reference's length).
-    pub max_tokens: usize,
-    /// Rows per KV block (paged backend).
-    pub block_size: usize,
-    /// Padded prefill pads prompts to a multiple of this many rows.
-    pub tile: usize,
-    /// Chunked prefill chunk size.
-    pub chunk: usize,
-    /// Rollback: draft tokens decoded then trimmed, as speculative decoding does on rejection.
-    pub lookahead: usize,
-    /// Rollback: roll back after every this many decode steps.
-    pub rollback_every: usize,
-    pub concurrent: ConcurrentSettings,
-    /// Poison freed and trimmed paged rows with NaN (see `kv::paged`).
-    pub poison: bool,
-    /// Paged pool budget in blocks (none: grow as needed).
-    pub pool_blocks: Option<usize>,
-    /// `lengths` (kind = "openai"): prompt lengths to send; default the boundaries of `tile`,
-    /// `block_size` and `chunk` (each minus one, exact, plus one).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub lengths: Option<Vec<usize>>,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            max_tokens: 16,
-            block_size: 32,
-            tile: 32,
-            chunk: 5,
-            lookahead: 4,
-            rollback_every: 5,
-            concurrent: ConcurrentSettings::default(),
-            poison: true,
-            pool_blocks: None,
-            lengths: None,
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ConcurrentSettings {
-    /// Number of requests (prompts are taken round-robin from the suite's prompts).
-    pub requests: usize,
-    /// Decode step at which each request arrives (cycled if shorter than `requests`).
-    pub arrivals: Vec<usize>,
-    /// Most rows decoded together; later arrivals wait for a finished row's slot.
-    pub max_batch: usize,
-}
-
-impl Default for ConcurrentSettings {
-    fn default() -> Self {
-        ConcurrentSettings { requests: 5, arrivals: vec![0, 0, 2, 3, 6], max_batch: 3 }
-    }
-}
-
-/// A prompt as the scenarios see it: a name for reports and its token ids.
-#[derive(Debug, Clone)]
-pub struct Prompt {
-    pub name: String,
-    pub ids: Vec<u32>,
-}
-
-/// Layout facts about one step of a path, for locating a divergence.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct StepLayout {
-    /// KV row of the token fed at this step (the last prompt token at step 0).
-    pub kv_row: usize,
-    /// RoPE position of that token (kv_row minus any masked left padding).
-    pub position: usize,
-    pub batch_row: usize,
-    pub batch_size: usize,
-    /// Pad rows trimmed before this step (padded scenario).
-    pub pads_trimmed: usize,
-    /// Rows rolled back (decoded, then trimmed) before this step (rollback scenario).
-    pub rolled_back: usize,
-}
-
-/// One sequence's run: per step, its greedy choice, its logits and where it was.
-#[derive(Debug, Clone, Default)]
-pub struct PathTrace {
-    pub tokens: Vec<u32>,
-    pub logits: Vec<Array>,
-    pub layout: Vec<StepLayout>,
+    out
 }
 
 /// How a case ended.
@@ -201,17 +87,25 @@ pub enum Outcome {
     Ran,
     /// The path cannot do what the case needs (a capability it lacks): a named skip.
     Skipped(String),
-    /// The case could not finish (an engine error, a trim that did less than asked, ...).
+    /// The case could not finish (an engine error, a trim that did less than asked, ...): the
+    /// row names the scenario and path before this cause.
     Failed(String),
+    /// The case never started (its path did not start, its server had died): this sentence
+    /// is the whole failure.
+    NotRun(String),
 }
 
-/// The outcome of one case of a scenario on one path: the sequences that share a prompt.
+/// The outcome of one case of a scenario on one path: what it measured for one row. `M` is
+/// what its kind of engine shows: each sequence's trace for a stepped path (the sequences that
+/// share a prompt, e.g. both rows of a same-prompt batch), each measured request's answer for
+/// a server ([`requests::Answers`]).
 #[derive(Debug, Clone)]
-pub struct CaseOutput {
+pub struct CaseOutput<M = Vec<PathTrace>> {
     /// e.g. `same`, `ragged`, `req3`, `tile`, `while-running`.
     pub case: String,
+    /// The prompt the row is named after and its reference is computed for.
     pub prompt: Prompt,
-    pub paths: Vec<PathTrace>,
+    pub measured: M,
     /// Facts worth printing next to the verdict (e.g. `padded 37 -> 64, trimmed 27`).
     pub notes: Vec<String>,
     /// The KV store's memory when the case ended (absent when the path does not report it).
@@ -222,29 +116,44 @@ pub struct CaseOutput {
     pub audit: Option<String>,
 }
 
+impl<M> CaseOutput<M> {
+    /// A case with nothing noted and no store facts.
+    pub fn new(case: impl Into<String>, prompt: &Prompt, measured: M, outcome: Outcome) -> Self {
+        CaseOutput {
+            case: case.into(),
+            prompt: prompt.clone(),
+            measured,
+            notes: Vec::new(),
+            kv: None,
+            outcome,
+            audit: None,
+        }
+    }
+}
+
+impl Outcome {
+    /// A case's error as its outcome: an operation the path does not support is a skip.
+    pub fn of(e: Error) -> Outcome {
+        match e {
+            Error::Unsupported(why) => Outcome::Skipped(why),
+            e => Outcome::Failed(e.to_string()),
+        }
+    }
+}
+
 impl CaseOutput {
     /// One `*` case per prompt with the same outcome and nothing computed: a scenario that
     /// could not run at all still gives every prompt a row saying why.
     pub fn for_every_prompt(prompts: &[Prompt], outcome: Outcome) -> Vec<CaseOutput> {
-        prompts
-            .iter()
-            .map(|p| CaseOutput {
-                case: "*".into(),
-                prompt: p.clone(),
-                paths: Vec::new(),
-                notes: Vec::new(),
-                kv: None,
-                outcome: outcome.clone(),
-                audit: None,
-            })
-            .collect()
+        prompts.iter().map(|p| CaseOutput::new("*", p, Vec::new(), outcome.clone())).collect()
     }
 }
 
-/// What scenarios share for one checkpoint: the settings, the planted faults, and the
-/// reference path with its single-sequence traces (computed once per prompt, reused by every
-/// scenario and path). References always run fault-free.
-pub struct Harness<'r> {
+/// The setup every step-level case of one checkpoint runs in: the settings, the faults planted
+/// in the paths under test, the pad token, which rows this run wants, and the reference path
+/// with its single-sequence traces (computed once per prompt, reused by every scenario and
+/// path). References always run fault-free.
+pub struct Setup<'r> {
     pub settings: Settings,
     pub faults: Faults,
     /// The token used for padding: the checkpoint's pad token, else its first EOS, else 0.
@@ -258,10 +167,10 @@ pub struct Harness<'r> {
 /// Whether a row, named by its prompt and case, is wanted (`--filter`).
 pub type Selector<'r> = Box<dyn Fn(&str, &str) -> bool + 'r>;
 
-impl<'r> Harness<'r> {
+impl<'r> Setup<'r> {
     /// Scenarios run with `faults` planted in the paths they drive; references never do.
     pub fn new(reference: &'r mut dyn EnginePath, settings: Settings, faults: Faults, pad_token: u32) -> Self {
-        Harness { settings, faults, pad_token, reference, references: HashMap::new(), select: None }
+        Setup { settings, faults, pad_token, reference, references: HashMap::new(), select: None }
     }
 
     /// Run only the cases producing rows `select` wants (each scenario still sees every
@@ -292,8 +201,9 @@ impl<'r> Harness<'r> {
             Error::Unsupported(why) => Error::Unsupported(why),
             e => Error::Invalid(format!("reference run failed: {e}")),
         })?;
-        // Guard (issue #14): NaN in the reference is the checkpoint's, not the pool's.
-        crate::compare::require_finite("reference logits", &trace.logits)?;
+        // NaN in the reference is the checkpoint's or the runtime's, never the pool's: said so,
+        // instead of a pool bug blamed on every row of the prompt.
+        require_finite("reference logits", &trace.logits)?;
         self.references.insert(prompt.to_vec(), trace.clone());
         Ok(trace)
     }
@@ -305,8 +215,9 @@ impl<'r> Harness<'r> {
 }
 
 /// A sequence being decoded under teacher forcing.
-pub struct Live {
+pub struct ForcedSeq {
     pub seq: SeqId,
+    /// The tokens fed, one per step: the reference's choices.
     pub forced: Vec<u32>,
     pub trace: PathTrace,
     /// Steps this path runs (at most the reference's length).
@@ -316,9 +227,9 @@ pub struct Live {
     pub rolled_back: usize,
 }
 
-impl Live {
+impl ForcedSeq {
     pub fn new(seq: SeqId, reference: &Trace, steps: usize) -> Self {
-        Live {
+        ForcedSeq {
             seq,
             forced: reference.tokens.clone(),
             trace: PathTrace::default(),
@@ -347,9 +258,9 @@ impl Live {
 
 /// Record one step for `rows` from a forward's logits `[B, vocab]`. `fed_rows[i]` is the KV
 /// row of the token whose logits these are.
-pub fn record_step(s: &dyn Session, lives: &mut [&mut Live], logits: &Array, fed_rows: &[usize]) -> Result<()> {
-    let tokens = engine::greedy(logits)?;
-    let rows = engine::rows(logits)?;
+pub fn record_step(s: &dyn Session, lives: &mut [&mut ForcedSeq], logits: &Array, fed_rows: &[usize]) -> Result<()> {
+    let tokens = greedy(logits)?;
+    let rows = rows(logits)?;
     let b = lives.len();
     for (i, ((live, token), row)) in lives.iter_mut().zip(tokens).zip(rows).enumerate() {
         let masked = s.masked_prefix(live.seq)?;
@@ -367,7 +278,7 @@ pub fn record_step(s: &dyn Session, lives: &mut [&mut Live], logits: &Array, fed
 }
 
 /// One batched decode step: every live row feeds its forced token.
-pub fn decode_step(s: &mut dyn Session, lives: &mut [&mut Live]) -> Result<()> {
+pub fn decode_step(s: &mut dyn Session, lives: &mut [&mut ForcedSeq]) -> Result<()> {
     let mut steps = Vec::with_capacity(lives.len());
     let mut fed = Vec::with_capacity(lives.len());
     for l in lives.iter() {
@@ -379,16 +290,16 @@ pub fn decode_step(s: &mut dyn Session, lives: &mut [&mut Live]) -> Result<()> {
 }
 
 /// Prefill one sequence (B=1) and record its first step.
-pub fn prefill(s: &mut dyn Session, live: &mut Live, prompt: &[u32]) -> Result<()> {
+pub fn prefill(s: &mut dyn Session, live: &mut ForcedSeq, prompt: &[u32]) -> Result<()> {
     let start = s.len(live.seq)?;
     let logits = s.forward(&[RowStep::new(live.seq, prompt.to_vec())])?;
     record_step(s, &mut [live], &logits, &[start + prompt.len() - 1])
 }
 
 /// Decode every live row, batched, until each has run its steps.
-pub fn decode_all(s: &mut dyn Session, lives: &mut [Live]) -> Result<()> {
+pub fn decode_all(s: &mut dyn Session, lives: &mut [ForcedSeq]) -> Result<()> {
     loop {
-        let mut active: Vec<&mut Live> = lives.iter_mut().filter(|l| !l.done()).collect();
+        let mut active: Vec<&mut ForcedSeq> = lives.iter_mut().filter(|l| !l.done()).collect();
         if active.is_empty() {
             return Ok(());
         }
@@ -436,29 +347,18 @@ pub fn need_masked_prefix(path: &dyn EnginePath) -> Result<()> {
 /// and keep its output. An error becomes a failed row (the first name) and an unsupported
 /// operation a skipped one, so one case never takes its prompt's others down.
 pub fn attempt<'r>(
-    h: &mut Harness<'r>,
+    setup: &mut Setup<'r>,
     out: &mut Vec<CaseOutput>,
     rows: &[(&Prompt, &str)],
-    f: impl FnOnce(&mut Harness<'r>) -> Result<Vec<CaseOutput>>,
+    f: impl FnOnce(&mut Setup<'r>) -> Result<Vec<CaseOutput>>,
 ) {
     let Some(&(prompt, case)) = rows.first() else { return };
-    if !rows.iter().any(|(p, c)| h.wants(&p.name, c)) {
+    if !rows.iter().any(|(p, c)| setup.wants(&p.name, c)) {
         return;
     }
-    match f(h) {
+    match f(setup) {
         Ok(mut cases) => out.append(&mut cases),
-        Err(e) => out.push(CaseOutput {
-            case: case.to_string(),
-            prompt: prompt.clone(),
-            paths: Vec::new(),
-            notes: Vec::new(),
-            kv: None,
-            audit: None,
-            outcome: match e {
-                Error::Unsupported(why) => Outcome::Skipped(why),
-                e => Outcome::Failed(e.to_string()),
-            },
-        }),
+        Err(e) => out.push(CaseOutput::new(case, prompt, Vec::new(), Outcome::of(e))),
     }
 }
 
@@ -477,13 +377,5 @@ pub fn case(
     paths: Vec<PathTrace>,
 ) -> Result<CaseOutput> {
     let audit = s.audit()?;
-    Ok(CaseOutput {
-        case: case.into(),
-        prompt: prompt.clone(),
-        paths,
-        notes: Vec::new(),
-        kv: s.stats()?,
-        outcome: Outcome::Ran,
-        audit,
-    })
+    Ok(CaseOutput { kv: s.stats()?, audit, ..CaseOutput::new(case, prompt, paths, Outcome::Ran) })
 }

@@ -11,28 +11,28 @@
 //!   cache for good and must be masked from every real token; RoPE positions skip them.
 
 use super::{
-    CaseOutput, Harness, Live, Prompt, attempt, case, decode_all, need_batch, need_masked_prefix, record_step,
+    CaseOutput, ForcedSeq, Prompt, Setup, attempt, case, decode_all, need_batch, need_masked_prefix, record_step,
     trim_exact,
 };
 use crate::engine::EnginePath;
 use crate::error::Error;
 use crate::model::RowStep;
 
-pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
-    let tile = h.settings.tile;
-    let pad = h.pad_token;
-    let steps = h.settings.max_tokens;
+pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
+    let tile = setup.settings.tile;
+    let pad = setup.pad_token;
+    let steps = setup.settings.max_tokens;
     let round = |n: usize| n.div_ceil(tile) * tile;
     let mut out = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         let n = p.ids.len();
-        attempt(h, &mut out, &[(p, "tile")], |h| {
+        attempt(setup, &mut out, &[(p, "tile")], |setup| {
             if tile == 0 {
                 return Err(Error::Invalid("tile must be positive".into()));
             }
-            let reference = h.reference(&p.ids)?;
-            let mut s = path.session(h.faults)?;
-            let mut live = Live::new(s.create(0)?, &reference, steps);
+            let reference = setup.reference(&p.ids)?;
+            let mut s = path.session(setup.faults)?;
+            let mut live = ForcedSeq::new(s.create(0)?, &reference, steps);
             let t = round(n);
             let mut tokens = p.ids.clone();
             tokens.resize(t, pad);
@@ -53,15 +53,15 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
 
         // batch-right: this prompt in row 0, a prompt of another length in row 1.
         if let Some(j) = super::ragged_partner(prompts, i) {
-            attempt(h, &mut out, &[(p, "batch-right")], |h| {
+            attempt(setup, &mut out, &[(p, "batch-right")], |setup| {
                 need_batch(path, 2)?;
                 let other = &prompts[j];
-                let reference = h.reference(&p.ids)?;
-                let other_ref = h.reference(&other.ids)?;
+                let reference = setup.reference(&p.ids)?;
+                let other_ref = setup.reference(&other.ids)?;
                 let t = round(n.max(other.ids.len()));
-                let mut s = path.session(h.faults)?;
+                let mut s = path.session(setup.faults)?;
                 let mut lives =
-                    [Live::new(s.create(0)?, &reference, steps), Live::new(s.create(0)?, &other_ref, steps)];
+                    [ForcedSeq::new(s.create(0)?, &reference, steps), ForcedSeq::new(s.create(0)?, &other_ref, steps)];
                 let rows: Vec<RowStep> = [(&lives[0], &p.ids), (&lives[1], &other.ids)]
                     .into_iter()
                     .map(|(l, ids)| {
@@ -94,18 +94,20 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
 
         // batch-left: this prompt left-padded next to a longer row (its own tokens twice, so
         // every prompt gets left pads whatever the suite's lengths).
-        attempt(h, &mut out, &[(p, "batch-left")], |h| {
+        attempt(setup, &mut out, &[(p, "batch-left")], |setup| {
             need_batch(path, 2)?;
             need_masked_prefix(path)?;
-            let reference = h.reference(&p.ids)?;
+            let reference = setup.reference(&p.ids)?;
             let longer: Vec<u32> = p.ids.iter().chain(&p.ids).copied().collect();
-            let longer_ref = h.reference(&longer)?;
+            let longer_ref = setup.reference(&longer)?;
             let l = longer.len();
             let t = round(l);
             let masked = l - n;
-            let mut s = path.session(h.faults)?;
-            let mut lives =
-                [Live::new(s.create(masked)?, &reference, steps), Live::new(s.create(0)?, &longer_ref, steps)];
+            let mut s = path.session(setup.faults)?;
+            let mut lives = [
+                ForcedSeq::new(s.create(masked)?, &reference, steps),
+                ForcedSeq::new(s.create(0)?, &longer_ref, steps),
+            ];
             let mut mine = vec![pad; masked];
             mine.extend(&p.ids);
             mine.resize(t, pad);

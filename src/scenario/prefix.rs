@@ -10,11 +10,12 @@
 //! - `while-running`: the adopter joins while the donor is still decoding and both decode
 //!   together; both are reported (`while-running` for the donor, `while-running/adopter`).
 
-use super::{CaseOutput, Harness, Live, Prompt, attempt, case, decode_all, decode_step, prefill, record_step};
-use crate::engine::{EnginePath, PathInfo, Session, ShareMode, Trace};
+use super::{CaseOutput, ForcedSeq, Prompt, Setup, attempt, case, decode_all, decode_step, prefill, record_step};
+use crate::engine::{EnginePath, PathInfo, Session, ShareMode};
 use crate::error::{Error, Result};
 use crate::kv::SeqId;
 use crate::model::RowStep;
+use crate::vocab::Trace;
 
 /// How many of `n` prompt rows to share with block size `bs`: the longest prefix that leaves
 /// at least one token of the prompt unshared and ends mid-block.
@@ -26,27 +27,27 @@ pub fn share_len(n: usize, bs: usize) -> usize {
     s
 }
 
-pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
-    let steps = h.settings.max_tokens;
+pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
+    let steps = setup.settings.max_tokens;
     let mut out = Vec::new();
     for p in prompts {
         if p.ids.len() < 3 {
             continue;
         }
-        let share = share_len(p.ids.len(), h.settings.block_size);
+        let share = share_len(p.ids.len(), setup.settings.block_size);
         // The adopter's own suffix: the donor's prompt reversed, so it differs right after
         // the shared rows.
         let mut ids = p.ids[..share].to_vec();
         ids.extend(p.ids.iter().rev().take(p.ids.len() - share + 2));
         let derived = Prompt { name: format!("{}/shared{share}", p.name), ids };
 
-        attempt(h, &mut out, &[(&derived, "after-finish")], |h| {
+        attempt(setup, &mut out, &[(&derived, "after-finish")], |setup| {
             need_share(path.info())?;
-            let donor_ref = h.reference(&p.ids)?;
-            let adopter_ref = h.reference(&derived.ids)?;
+            let donor_ref = setup.reference(&p.ids)?;
+            let adopter_ref = setup.reference(&derived.ids)?;
             let name = path.info().name.clone();
-            let mut s = path.session(h.faults)?;
-            let mut donor = Live::new(s.create(0)?, &donor_ref, steps);
+            let mut s = path.session(setup.faults)?;
+            let mut donor = ForcedSeq::new(s.create(0)?, &donor_ref, steps);
             prefill(s.as_mut(), &mut donor, &p.ids)?;
             let mut lives = [donor];
             decode_all(s.as_mut(), &mut lives)?;
@@ -61,14 +62,14 @@ pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Ve
             Ok(vec![c])
         });
 
-        attempt(h, &mut out, &[(p, "while-running"), (&derived, "while-running/adopter")], |h| {
+        attempt(setup, &mut out, &[(p, "while-running"), (&derived, "while-running/adopter")], |setup| {
             need_share(path.info())?;
-            let donor_ref = h.reference(&p.ids)?;
-            let adopter_ref = h.reference(&derived.ids)?;
+            let donor_ref = setup.reference(&p.ids)?;
+            let adopter_ref = setup.reference(&derived.ids)?;
             let name = path.info().name.clone();
             super::need_batch(path, 2)?;
-            let mut s = path.session(h.faults)?;
-            let mut donor = Live::new(s.create(0)?, &donor_ref, steps);
+            let mut s = path.session(setup.faults)?;
+            let mut donor = ForcedSeq::new(s.create(0)?, &donor_ref, steps);
             prefill(s.as_mut(), &mut donor, &p.ids)?;
             for _ in 0..2 {
                 if !donor.done() {
@@ -107,12 +108,12 @@ fn adopt(
     p: &Prompt,
     reference: &Trace,
     steps: usize,
-) -> Result<(Live, Option<ShareMode>)> {
+) -> Result<(ForcedSeq, Option<ShareMode>)> {
     let (seq, rest, mode) = match s.share_prefix(donor, share)? {
         Some((seq, mode)) => (seq, &p.ids[share..], Some(mode)),
         None => (s.create(0)?, &p.ids[..], None),
     };
-    let mut live = Live::new(seq, reference, steps);
+    let mut live = ForcedSeq::new(seq, reference, steps);
     let logits = s.forward(&[RowStep::new(seq, rest.to_vec())])?;
     record_step(s, &mut [&mut live], &logits, &[p.ids.len() - 1])?;
     Ok((live, mode))

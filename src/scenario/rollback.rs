@@ -3,20 +3,20 @@
 //! on. Must equal plain decode: any row the trim leaves behind, or a position it forgets to
 //! rewind, changes the next token's attention.
 
-use super::{CaseOutput, Harness, Live, Prompt, attempt, case, decode_step, prefill, trim_exact};
+use super::{CaseOutput, ForcedSeq, Prompt, Setup, attempt, case, decode_step, prefill, trim_exact};
 use crate::engine::EnginePath;
 use crate::model::RowStep;
 
-pub fn run(h: &mut Harness, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
-    let (k, every) = (h.settings.lookahead, h.settings.rollback_every.max(1));
+pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
+    let (k, every) = (setup.settings.lookahead, setup.settings.rollback_every.max(1));
     let vocab = path.info().vocab_size as u32;
     let name = format!("k{k}");
     let mut out = Vec::new();
     for p in prompts {
-        attempt(h, &mut out, &[(p, &name)], |h| {
-            let reference = h.reference(&p.ids)?;
-            let mut s = path.session(h.faults)?;
-            let mut live = Live::new(s.create(0)?, &reference, h.settings.max_tokens);
+        attempt(setup, &mut out, &[(p, &name)], |setup| {
+            let reference = setup.reference(&p.ids)?;
+            let mut s = path.session(setup.faults)?;
+            let mut live = ForcedSeq::new(s.create(0)?, &reference, setup.settings.max_tokens);
             prefill(s.as_mut(), &mut live, &p.ids)?;
             let mut rollbacks = 0;
             while !live.done() {

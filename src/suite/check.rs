@@ -10,14 +10,12 @@ use std::path::Path;
 use toml::Spanned;
 
 use super::raw::{RawEngine, RawPath, SettingsPatch, TolerancePatch};
-use super::{
-    CheckpointSpec, EngineSpec, ProcessSpec, PromptSource, PromptSpec, ReferenceSpec, SuiteError, Tolerance,
-    engine_openai, line_col,
-};
-use crate::compare::Verdict;
+use super::{SuiteError, line_col, openai};
 use crate::dtype::DtypeSetting;
-use crate::engine::builtin::BuiltinPath;
-use crate::scenario::{Scenario, Settings};
+use crate::vocab::{
+    BuiltinPath, CheckpointSpec, EngineSpec, ProcessSpec, PromptSource, PromptSpec, ReferenceSpec, Scenario, Settings,
+    Tolerance, Verdict,
+};
 
 pub(super) struct Ctx<'a> {
     pub(super) file: &'a Path,
@@ -123,9 +121,9 @@ impl Ctx<'_> {
     }
 
     /// Settings that make one of the checkpoint's scenarios test nothing (see
-    /// [`crate::coverage`]), reported at the first involved setting the suite wrote, else at
+    /// [`crate::vocab::audit`]), reported at the first involved setting the suite wrote, else at
     /// the checkpoint.
-    pub(super) fn coverage(
+    pub(super) fn audit(
         &self,
         c: &CheckpointSpec,
         prompts: &[PromptSpec],
@@ -218,12 +216,12 @@ impl Ctx<'_> {
         };
         let kind = e.kind.get_ref().as_str();
         if kind != "openai"
-            && let Some((key, span)) = engine_openai::openai_only_key(raw)
+            && let Some((key, span)) = openai::openai_only_key(raw)
         {
             return Err(self.err(span, format!("engine.{key} is only for kind = \"openai\"")));
         }
         match kind {
-            "openai" => engine_openai::parse(self, raw),
+            "openai" => openai::parse(self, raw),
             "builtin" => {
                 if let Some(c) = &e.command {
                     return Err(only_process("command", c.span()));

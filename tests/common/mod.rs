@@ -13,7 +13,7 @@ use parity::model::Model;
 pub fn cpu() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        parity::runtime::use_device(parity::runtime::DeviceChoice::Cpu).expect("the CPU device is always available");
+        parity::use_device(parity::DeviceChoice::Cpu).expect("the CPU device is always available");
     });
 }
 

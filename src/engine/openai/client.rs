@@ -16,9 +16,7 @@ use std::time::Instant;
 use serde_json::{Map, Value, json};
 
 use crate::checkpoint::Tokenizer;
-use crate::compare::LogprobTrace;
-
-use super::spec::{OpenaiPath, OpenaiSpec, PromptForm};
+use crate::vocab::{LogprobTrace, OpenaiPath, OpenaiSpec, PromptForm};
 
 /// Why a request gave nothing to compare: each is a clear error on the rows it affects.
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]

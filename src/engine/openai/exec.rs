@@ -5,7 +5,7 @@
 use std::sync::{Condvar, Mutex};
 
 use super::client::{Client, Completion, RequestError};
-use super::plan::{Planned, Start};
+use super::{CompletionRequest, When};
 
 #[derive(Default, Clone, Copy)]
 struct Progress {
@@ -25,11 +25,11 @@ impl Board {
         self.changed.notify_all();
     }
 
-    fn wait(&self, start: Start) {
-        let ready = |s: &Vec<Progress>| match start {
-            Start::Now => true,
-            Start::AfterTokens { of, tokens } => s.get(of).is_none_or(|p| p.done || p.tokens >= tokens),
-            Start::AfterDone { of } => s.get(of).is_none_or(|p| p.done),
+    fn wait(&self, when: When) {
+        let ready = |s: &Vec<Progress>| match when {
+            When::Now => true,
+            When::AfterTokens { of, tokens } => s.get(of).is_none_or(|p| p.done || p.tokens >= tokens),
+            When::AfterDone { of } => s.get(of).is_none_or(|p| p.done),
         };
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         while !ready(&s) {
@@ -39,7 +39,7 @@ impl Board {
 }
 
 /// Send every request of a schedule as it says; answers in request order.
-pub fn run(client: &Client, requests: &[Planned]) -> Vec<Result<Completion, RequestError>> {
+pub(super) fn run(client: &Client, requests: &[CompletionRequest]) -> Vec<Result<Completion, RequestError>> {
     let board = Board { state: Mutex::new(vec![Progress::default(); requests.len()]), changed: Condvar::new() };
     std::thread::scope(|scope| {
         let handles: Vec<_> = requests
@@ -48,7 +48,7 @@ pub fn run(client: &Client, requests: &[Planned]) -> Vec<Result<Completion, Requ
             .map(|(i, r)| {
                 let board = &board;
                 scope.spawn(move || {
-                    board.wait(r.start);
+                    board.wait(r.when);
                     let mut on_token = |n: usize| board.update(i, |p| p.tokens = n);
                     let out = client.complete(&r.ids, r.max_tokens, r.stream, &mut on_token);
                     board.update(i, |p| p.done = true);

@@ -8,17 +8,9 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::spec::{LOOPBACK, OpenaiPath, OpenaiSpec, ServerSpec};
+use crate::engine::Dirs;
 use crate::proc::{self, Child, Spawn, Stdout};
-
-/// What the argv template's placeholders stand for.
-pub struct Places<'a> {
-    /// `{model}` unless the suite says otherwise: the resolved checkpoint directory.
-    pub checkpoint: &'a Path,
-    pub suite_dir: &'a Path,
-    /// Append the server's output here (created with its directory).
-    pub log: Option<PathBuf>,
-}
+use crate::vocab::{LOOPBACK, OpenaiPath, OpenaiSpec, ServerSpec};
 
 pub struct Server {
     child: Option<Child>,
@@ -48,8 +40,10 @@ fn free_port() -> std::io::Result<u16> {
 
 impl Server {
     /// Start `path`'s server and wait until it is ready, or say why not (how it ended and the
-    /// tail of its log).
-    pub fn start(spec: &OpenaiSpec, path: &OpenaiPath, places: &Places) -> Result<Server, String> {
+    /// tail of its log). The command's placeholders: `{model}` (the suite's `model`, else the
+    /// resolved checkpoint), `{checkpoint}`, `{suite_dir}`, `{port}`, `{host}` and `{path}`.
+    /// `log`: append the server's output there (created with its directory).
+    pub fn start(spec: &OpenaiSpec, path: &OpenaiPath, dirs: Dirs, log: Option<PathBuf>) -> Result<Server, String> {
         let started = Instant::now();
         let (argv, model) = match &spec.server {
             ServerSpec::Url(url) => {
@@ -61,26 +55,25 @@ impl Server {
             }
             ServerSpec::Command { argv, model } => (argv, model),
         };
-        let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
-        let suite_dir = absolute(places.suite_dir);
-        let checkpoint = absolute(places.checkpoint);
+        let (checkpoint, suite_dir) = dirs.absolute();
         let model = match model {
             Some(m) if Path::new(m).is_absolute() => PathBuf::from(m),
             Some(m) => suite_dir.join(m),
             None => checkpoint.clone(),
         };
         let port = free_port().map_err(|e| format!("no free loopback port: {e}"))?.to_string();
-        let subst = |a: &str| {
-            a.replace("{model}", &model.display().to_string())
-                .replace("{checkpoint}", &checkpoint.display().to_string())
-                .replace("{suite_dir}", &suite_dir.display().to_string())
-                .replace("{port}", &port)
-                .replace("{host}", LOOPBACK)
-                .replace("{path}", &path.name)
-        };
-        let mut argv: Vec<String> = argv.iter().chain(&path.args).map(|a| subst(a)).collect();
-        argv[0] = proc::resolve_program(&argv[0], &suite_dir);
-        if let Some(log) = &places.log {
+        let (model, checkpoint, suite) =
+            (model.display().to_string(), checkpoint.display().to_string(), suite_dir.display().to_string());
+        let values = [
+            ("model", model.as_str()),
+            ("checkpoint", &checkpoint),
+            ("suite_dir", &suite),
+            ("port", &port),
+            ("host", LOOPBACK),
+            ("path", &path.name),
+        ];
+        let argv = crate::engine::command(argv, &path.args, &values, &suite_dir);
+        if let Some(log) = &log {
             if let Some(dir) = log.parent() {
                 std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
             }
@@ -94,11 +87,10 @@ impl Server {
             env: Vec::new(),
             stdin: false,
             stdout: Stdout::Log,
-            log_file: places.log.clone(),
+            log_file: log.clone(),
         })
         .map_err(|e| e.to_string())?;
-        let server =
-            Server { child: Some(child), base: format!("http://{LOOPBACK}:{port}"), log: places.log.clone(), started };
+        let server = Server { child: Some(child), base: format!("http://{LOOPBACK}:{port}"), log, started };
         server.wait_ready(spec, started)
     }
 

@@ -24,7 +24,7 @@ fn rows(seed: usize, first_row: usize, n: usize) -> Array {
 }
 
 fn host(a: &Array) -> Vec<f32> {
-    crate::engine::host_f32(a).expect("host copy")
+    crate::array::host_f32(a).expect("host copy")
 }
 
 fn pool(block_size: usize, poison: bool) -> PagedBlockPool {

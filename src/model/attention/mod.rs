@@ -138,7 +138,7 @@ impl Attention {
             .qkv
             .forward(x)?
             .try_into()
-            .map_err(|_| crate::Error::Invalid("q/k/v projection did not split in three".into()))?;
+            .map_err(|_| crate::error::Error::Invalid("q/k/v projection did not split in three".into()))?;
         let q = split(q, self.heads, &self.q_norm)?;
         let k = split(k, self.kv_heads, &self.k_norm)?;
         let v = split(v, self.kv_heads, &None)?;

@@ -1,6 +1,6 @@
-//! The request-level scenarios: what to send, when, and which requests each report row
-//! judges. A schedule is run on one server; every measured request is compared with the
-//! reference path's answer to the same prompt sent alone.
+//! The request-level scenarios: what to send a server, when, and which requests each report
+//! row judges. A schedule is run on one server (a [`RequestPath`]); every measured request is
+//! compared with the reference path's answer to the same prompt sent alone ([`References`]).
 //!
 //! - `single`: one request alone.
 //! - `batch2`: `same` (the prompt twice at once: any difference between the two is the
@@ -14,31 +14,11 @@
 //!   `trimmed` continues the first prompt only (the cached sequence must be cut back).
 //! - `repeat`: the same request twice in a row: `uncached` and `cached`.
 
-use crate::scenario::{Prompt, Scenario, Settings};
+use std::collections::HashMap;
 
-/// When a request is sent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Start {
-    Now,
-    /// Once request `of` has streamed this many tokens (or ended).
-    AfterTokens {
-        of: usize,
-        tokens: usize,
-    },
-    /// Once request `of` has ended.
-    AfterDone {
-        of: usize,
-    },
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct Planned {
-    pub ids: Vec<u32>,
-    pub max_tokens: usize,
-    pub start: Start,
-    /// Streamed (the clock of later arrivals).
-    pub stream: bool,
-}
+use super::{CaseOutput, Outcome};
+use crate::engine::openai::{Completion, CompletionRequest, RequestError, RequestPath, When};
+use crate::vocab::{Prompt, Scenario, Settings};
 
 /// One report row: the requests it judges (the worst speaks for it).
 #[derive(Debug, Clone, PartialEq)]
@@ -51,7 +31,7 @@ pub struct RowPlan {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Schedule {
-    pub requests: Vec<Planned>,
+    pub requests: Vec<CompletionRequest>,
     pub rows: Vec<RowPlan>,
 }
 
@@ -63,8 +43,8 @@ pub struct Inputs<'a> {
     pub reference_tokens: &'a dyn Fn(&[u32]) -> Option<Vec<u32>>,
 }
 
-fn now(ids: &[u32], max_tokens: usize) -> Planned {
-    Planned { ids: ids.to_vec(), max_tokens, start: Start::Now, stream: false }
+fn now(ids: &[u32], max_tokens: usize) -> CompletionRequest {
+    CompletionRequest { ids: ids.to_vec(), max_tokens, when: When::Now, stream: false }
 }
 
 fn row(prompt: &Prompt, case: &str, measured: Vec<usize>) -> RowPlan {
@@ -86,7 +66,7 @@ pub fn plan(scenario: Scenario, prompts: &[Prompt], inp: &Inputs) -> Vec<Schedul
             .iter()
             .map(|p| {
                 let mut second = now(&p.ids, n);
-                second.start = Start::AfterDone { of: 0 };
+                second.when = When::AfterDone { of: 0 };
                 Schedule {
                     requests: vec![now(&p.ids, n), second],
                     rows: vec![row(p, "uncached", vec![0]), row(p, "cached", vec![1])],
@@ -102,7 +82,7 @@ fn batch2(prompts: &[Prompt], n: usize) -> Vec<Schedule> {
     let mut out = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         out.push(Schedule { requests: vec![now(&p.ids, n), now(&p.ids, n)], rows: vec![row(p, "same", vec![0, 1])] });
-        if let Some(j) = crate::scenario::ragged_partner(prompts, i) {
+        if let Some(j) = super::ragged_partner(prompts, i) {
             let other = &prompts[j];
             let mut r = row(p, "ragged", vec![1]);
             r.notes.push(format!("sent with {} ({} tokens)", other.name, other.ids.len()));
@@ -123,19 +103,18 @@ fn concurrent(prompts: &[Prompt], inp: &Inputs) -> Option<Schedule> {
     // The clock is request 0 of the schedule either way.
     let (mut requests, clock) = (Vec::new(), 0);
     if !inp.stream_logprobs {
-        requests.push(Planned { stream: true, ..now(&prompts[0].ids, n) });
+        requests.push(CompletionRequest { stream: true, ..now(&prompts[0].ids, n) });
     }
     let offset = requests.len();
     let mut rows = Vec::new();
-    for j in 0..c.requests {
+    // The step-level scenario's schedule: arrivals in the clock's tokens, staggered lengths.
+    for (j, a) in c.schedule(n).into_iter().enumerate() {
         let p = &prompts[j % prompts.len()];
-        // Staggered lengths, as the step-level scenario does: rows leave at different steps.
-        let steps = n.saturating_sub((j % 3) * (n / 4)).max(1);
-        let arrival = c.arrivals[j % c.arrivals.len()];
-        let start = if j == 0 || arrival == 0 { Start::Now } else { Start::AfterTokens { of: clock, tokens: arrival } };
-        requests.push(Planned { ids: p.ids.clone(), max_tokens: steps, start, stream: inp.stream_logprobs && j == 0 });
+        let when = if j == 0 || a.at == 0 { When::Now } else { When::AfterTokens { of: clock, tokens: a.at } };
+        let stream = inp.stream_logprobs && j == 0;
+        requests.push(CompletionRequest { ids: p.ids.clone(), max_tokens: a.steps, when, stream });
         let mut r = row(p, &format!("req{j}"), vec![offset + j]);
-        r.notes.push(format!("arrives after {arrival} streamed tokens, {steps} steps"));
+        r.notes.push(format!("arrives after {} streamed tokens, {} steps", a.at, a.steps));
         rows.push(r);
     }
     Some(Schedule { requests, rows })
@@ -174,7 +153,8 @@ fn prefix(prompts: &[Prompt], inp: &Inputs) -> Vec<Schedule> {
     for (i, p) in prompts.iter().enumerate() {
         // What follows the shared part: the next prompt's tokens (a new turn), or this one's.
         let tail = &prompts[(i + 1) % prompts.len()].ids;
-        let then = |ids: Vec<u32>| Planned { ids, max_tokens: n, start: Start::AfterDone { of: 0 }, stream: false };
+        let then =
+            |ids: Vec<u32>| CompletionRequest { ids, max_tokens: n, when: When::AfterDone { of: 0 }, stream: false };
         if let Some(answer) = (inp.reference_tokens)(&p.ids) {
             let ids: Vec<u32> = p.ids.iter().chain(&answer).chain(tail).copied().collect();
             let mut r = row(p, "extends", vec![1]);
@@ -193,4 +173,94 @@ fn prefix(prompts: &[Prompt], inp: &Inputs) -> Vec<Schedule> {
         out.push(Schedule { requests: vec![now(&p.ids, n), then(ids)], rows: vec![r] });
     }
     out
+}
+
+/// Answers to prompts sent alone on the reference path, by prompt ids: what every measured
+/// request is compared with. An error is why that prompt has no reference.
+pub type References = HashMap<Vec<u32>, Result<Completion, String>>;
+
+/// Send each of `prompts` not yet answered alone on the reference path, `max_tokens` long.
+pub fn answer_alone(path: &mut dyn RequestPath, prompts: &[Vec<u32>], max_tokens: usize, out: &mut References) {
+    for ids in prompts {
+        if out.contains_key(ids) {
+            continue;
+        }
+        let alone = CompletionRequest { ids: ids.clone(), max_tokens, when: When::Now, stream: false };
+        let answer = path.send(&[alone]).remove(0).map_err(|e| match path.ended_after_failure() {
+            Some(how) => format!("{e}; the reference server {how}"),
+            None => e.to_string(),
+        });
+        out.insert(ids.clone(), answer);
+    }
+}
+
+/// What a request-level case measured: each measured request's answer, in the order its row
+/// plan lists them.
+#[derive(Debug, Clone)]
+pub struct Answers {
+    pub requests: Vec<Answer>,
+    /// How many requests the schedule sent (the batch a divergence sits in).
+    pub sent: usize,
+    /// How the server ended, when it died during the schedule.
+    pub server_ended: Option<String>,
+}
+
+/// One measured request and what came back.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    /// Its index in the schedule (a divergence's batch row).
+    pub index: usize,
+    pub request: CompletionRequest,
+    pub result: Result<Completion, RequestError>,
+}
+
+/// Run `schedules` in order on one path: each row plan becomes a case. Once the server has
+/// died, later schedules are not sent; their cases say why.
+pub fn run(schedules: &[Schedule], path: &mut dyn RequestPath) -> Vec<CaseOutput<Answers>> {
+    let mut out = Vec::new();
+    let mut dead: Option<String> = None;
+    for s in schedules {
+        if let Some(why) = &dead {
+            // Said once, on the row that saw the server die; these only say they did not run.
+            out.extend(
+                s.rows
+                    .iter()
+                    .map(|r| CaseOutput { notes: Vec::new(), ..unsent(s, r, format!("not run: the server {why}")) }),
+            );
+            continue;
+        }
+        let answers = path.send(&s.requests);
+        let ended = if answers.iter().any(|a| a.is_err()) { path.ended_after_failure() } else { None };
+        for r in &s.rows {
+            let requests = r
+                .measured
+                .iter()
+                .map(|&m| Answer { index: m, request: s.requests[m].clone(), result: answers[m].clone() })
+                .collect();
+            let measured = Answers { requests, sent: s.requests.len(), server_ended: ended.clone() };
+            out.push(CaseOutput {
+                notes: r.notes.clone(),
+                ..CaseOutput::new(&r.case, &prompt(s, r), measured, Outcome::Ran)
+            });
+        }
+        dead = ended;
+    }
+    out
+}
+
+/// Every row plan of `schedules` as a case that never ran, because of `why`.
+pub fn not_run(schedules: &[Schedule], why: &str) -> Vec<CaseOutput<Answers>> {
+    schedules.iter().flat_map(|s| s.rows.iter().map(|r| unsent(s, r, why.to_string()))).collect()
+}
+
+fn unsent(s: &Schedule, r: &RowPlan, why: String) -> CaseOutput<Answers> {
+    let measured = Answers { requests: Vec::new(), sent: s.requests.len(), server_ended: None };
+    CaseOutput { notes: r.notes.clone(), ..CaseOutput::new(&r.case, &prompt(s, r), measured, Outcome::NotRun(why)) }
+}
+
+/// The row's prompt: its name, and the ids its measured requests send (the same for each, so
+/// one reference serves the row).
+fn prompt(s: &Schedule, r: &RowPlan) -> Prompt {
+    let ids = r.measured.first().map(|&m| s.requests[m].ids.clone()).unwrap_or_default();
+    Prompt { name: r.prompt.clone(), ids }
 }

@@ -1,5 +1,6 @@
-//! Suite files (TOML): checkpoints, prompts, scenarios and their settings, dtype and
-//! tolerances, with suite-level defaults and per-checkpoint overrides.
+//! The suite parser: TOML files (checkpoints, prompts, scenarios and their settings, dtype and
+//! tolerances, with suite-level defaults and per-checkpoint overrides) into the checked
+//! [`Suite`] of `crate::vocab`.
 //!
 //! Every mistake is reported with file, line and column before anything runs: unknown keys and
 //! wrong types by the TOML deserializer, semantic checks (positive sizes, tile a multiple of
@@ -8,103 +9,22 @@
 //! Suites are untrusted input (fuzzed: see `fuzz/`). Names become file names, so they must be
 //! plain file-name components ([`crate::names`]); sizes have an upper bound, so no value can
 //! make a run allocate without limit; settings that would make a scenario test nothing are
-//! errors ([`crate::coverage`]).
+//! errors ([`crate::vocab::audit`]).
 
 use std::path::{Path, PathBuf};
 
 mod check;
-mod engine_openai;
+mod openai;
 mod raw;
 
 pub use check::MAX_COUNT;
 use check::{Ctx, SettingSpans};
+pub use openai::loopback_url;
 
-use raw::{RawEngine, RawPath, RawSuite};
+use raw::RawSuite;
 
-use crate::compare::Verdict;
 use crate::dtype::DtypeSetting;
-use crate::engine::builtin::BuiltinPath;
-use crate::engine::openai::spec::{self as openai, OpenaiPath, OpenaiSpec, PromptForm, ServerSpec};
-use crate::kv::Backend;
-use crate::scenario::{self, Scenario, Settings};
-
-/// Which engine serves a checkpoint's paths (`[engine]`, or `engine = {...}` on a checkpoint).
-#[derive(Debug, Clone, PartialEq)]
-pub enum EngineSpec {
-    /// parity's own runtime: paths `dense` and `paged` (batched attention) unless the suite
-    /// also names `dense-rowwise`, `paged-rowwise`; reference `dense`.
-    Builtin,
-    /// An adapter process per path, speaking the step protocol (docs/step-protocol.md).
-    Process(ProcessSpec),
-    /// An OpenAI-compatible HTTP server per path, driven at request level
-    /// (`engine::openai`).
-    Openai(OpenaiSpec),
-}
-
-impl EngineSpec {
-    /// The paths a checkpoint runs when the suite names none, in the order written.
-    pub fn path_names(&self) -> Vec<String> {
-        match self {
-            EngineSpec::Builtin => BuiltinPath::DEFAULT.iter().map(|p| p.name()).collect(),
-            EngineSpec::Process(p) => p.paths.iter().map(|(n, _)| n.clone()).collect(),
-            EngineSpec::Openai(o) => o.paths.iter().map(|p| p.name.clone()).collect(),
-        }
-    }
-
-    /// Every path a suite may name for this engine.
-    pub fn known_paths(&self) -> Vec<String> {
-        match self {
-            EngineSpec::Builtin => BuiltinPath::ALL.iter().map(|p| p.name()).collect(),
-            EngineSpec::Process(_) | EngineSpec::Openai(_) => self.path_names(),
-        }
-    }
-
-    pub fn reference(&self) -> ReferenceSpec {
-        match self {
-            EngineSpec::Builtin => ReferenceSpec::Builtin(BuiltinPath::batched(Backend::Dense)),
-            EngineSpec::Process(p) => p.reference.clone(),
-            EngineSpec::Openai(o) => ReferenceSpec::Path(o.reference.clone()),
-        }
-    }
-
-    /// parity must load the weights itself (a builtin path or a builtin reference).
-    pub fn needs_builtin(&self) -> bool {
-        matches!(self.reference(), ReferenceSpec::Builtin(_)) || matches!(self, EngineSpec::Builtin)
-    }
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct ProcessSpec {
-    /// argv template: `{model}`, `{path}`, `{suite_dir}`, `{parity}` are substituted.
-    pub command: Vec<String>,
-    /// Path name and the extra arguments appended to `command` for it.
-    pub paths: Vec<(String, Vec<String>)>,
-    pub reference: ReferenceSpec,
-    /// Longest any one request may take.
-    pub timeout: std::time::Duration,
-    /// Longest from spawn to the hello reply (model load).
-    pub start_timeout: std::time::Duration,
-}
-
-/// Where a checkpoint's references come from.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ReferenceSpec {
-    /// A path of the checkpoint's own engine.
-    Path(String),
-    /// A path of parity's builtin runtime on the same checkpoint (`builtin:dense`): an engine
-    /// checked against an independent implementation, not only against itself.
-    Builtin(BuiltinPath),
-}
-
-impl ReferenceSpec {
-    /// As reports print it: `dense (builtin)` or `KVCache`.
-    pub fn describe(&self) -> String {
-        match self {
-            ReferenceSpec::Path(p) => p.clone(),
-            ReferenceSpec::Builtin(b) => format!("builtin:{}", b.name()),
-        }
-    }
-}
+use crate::vocab::{self, CheckpointSpec, EngineSpec, PromptSource, PromptSpec, Settings, Suite, default_tolerance};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct SuiteError {
@@ -121,124 +41,6 @@ impl std::fmt::Display for SuiteError {
 }
 
 impl std::error::Error for SuiteError {}
-
-#[derive(Debug, Clone, PartialEq)]
-pub enum PromptSource {
-    /// Raw text, encoded with the tokenizer's special tokens.
-    Text(String),
-    /// A single user turn rendered with the checkpoint's chat template.
-    Chat(String),
-    /// Token ids, used as given.
-    Ids(Vec<u32>),
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct PromptSpec {
-    pub name: String,
-    pub source: PromptSource,
-    /// Repeat or cut the encoded prompt to exactly this many tokens (to hit a boundary).
-    pub length: Option<usize>,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct Tolerance {
-    /// Largest per-step relative logit RMS a row may show.
-    pub max_rel_rms: f32,
-    pub allow: Vec<Verdict>,
-    /// kind = "openai": largest |delta logprob| over the top-k tokens both sides returned.
-    pub max_logprob_delta: f32,
-    /// kind = "openai": any logprob difference at all fails (engines claiming batch invariance).
-    pub bitwise: bool,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct CheckpointSpec {
-    pub name: String,
-    /// A path (relative to the suite file, `${VAR:-default}` expanded) or a repo id.
-    pub reference: String,
-    pub dtype: DtypeSetting,
-    pub dequantize: bool,
-    pub engine: EngineSpec,
-    /// The engine paths this checkpoint runs (`backends` in the suite), in order.
-    pub paths: Vec<String>,
-    pub scenarios: Vec<Scenario>,
-    pub settings: Settings,
-    pub tolerance: Tolerance,
-    /// Prompt names this checkpoint runs (all when the suite does not say).
-    pub prompts: Vec<String>,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct Suite {
-    pub name: String,
-    pub file: PathBuf,
-    pub prompts: Vec<PromptSpec>,
-    pub checkpoints: Vec<CheckpointSpec>,
-}
-
-impl CheckpointSpec {
-    /// The builtin KV stores among this checkpoint's paths, for checks that only matter to a
-    /// block pool. Another engine's paths are known only once started (their `hello` says
-    /// whether they are paged), so none of them counts here.
-    pub fn kv_backends(&self) -> Vec<Backend> {
-        match self.engine {
-            EngineSpec::Builtin => {
-                let mut kv: Vec<Backend> = Vec::new();
-                for p in self.paths.iter().filter_map(|p| p.parse::<BuiltinPath>().ok()) {
-                    if !kv.contains(&p.backend) {
-                        kv.push(p.backend);
-                    }
-                }
-                kv
-            }
-            // Neither owns one of parity's KV pools: the engine keeps its cache to itself.
-            EngineSpec::Process(_) | EngineSpec::Openai(_) => Vec::new(),
-        }
-    }
-
-    /// What this checkpoint's settings make impossible to test ([`crate::coverage`]), by the
-    /// rules of its engine's kind: a server is driven by whole requests, the others by steps.
-    /// `lengths`: every prompt's length when the suite fixes them.
-    pub fn settings_problems(&self, lengths: Option<&[usize]>) -> Vec<crate::coverage::Problem> {
-        let (s, sc) = (&self.settings, &self.scenarios);
-        let mut out = match self.engine {
-            EngineSpec::Openai(_) => crate::coverage::request_level_problems(s, sc),
-            _ => crate::coverage::settings_problems(s, sc, &self.kv_backends(), lengths),
-        };
-        out.extend(crate::coverage::lengths_problem(s, sc));
-        out
-    }
-}
-
-impl Suite {
-    /// The directory relative checkpoint paths are resolved against, and where engine
-    /// commands run. A bare file name (`parity run mlx-lm.toml`) has the empty path as its
-    /// parent, which no process can be started in: that is `.`.
-    pub fn dir(&self) -> PathBuf {
-        match self.file.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        }
-    }
-}
-
-/// Tolerance defaults by dtype: float32 paths match to ~1e-6 when correct and a real bug moves
-/// logits by far more than 1e-3; half precision noise is larger.
-pub fn default_tolerance(dtype: DtypeSetting) -> Tolerance {
-    let max_rel_rms = match dtype {
-        DtypeSetting::Float32 => 1e-3,
-        _ => 2e-2,
-    };
-    // Logprobs as servers return them: a logit of magnitude ~20 has a spacing of 2e-6 in
-    // float32 (reduction-order noise stays well under 1e-3), 2^-6 in float16 and 2^-3 in
-    // bfloat16 (two such steps allowed).
-    let max_logprob_delta = match dtype {
-        DtypeSetting::Float32 => 1e-3,
-        DtypeSetting::Float16 => 5e-2,
-        _ => 0.25,
-    };
-    Tolerance { max_rel_rms, allow: vec![Verdict::Identical, Verdict::NearTie], max_logprob_delta, bitwise: false }
-}
 
 pub fn load(file: &Path) -> Result<Suite, SuiteError> {
     let text = std::fs::read_to_string(file).map_err(|e| SuiteError {
@@ -264,7 +66,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
     };
     let suite_scenarios = match &raw.scenarios {
         Some(s) => cx.scenarios(s)?,
-        None => scenario::ALL.to_vec(),
+        None => vocab::STEP_LEVEL.to_vec(),
     };
     let mut suite_settings = Settings::default();
     let mut suite_spans = SettingSpans::new();
@@ -368,11 +170,9 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             None => engine.path_names(),
         };
         let scenarios = match (&c.scenarios, &raw.scenarios) {
-            (Some(s), _) => engine_openai::scenarios_for(&cx, &engine, cx.scenarios(s)?, Some(s), span.clone())?,
-            (None, Some(s)) => {
-                engine_openai::scenarios_for(&cx, &engine, suite_scenarios.clone(), Some(s), span.clone())?
-            }
-            (None, None) => engine_openai::scenarios_for(&cx, &engine, suite_scenarios.clone(), None, span.clone())?,
+            (Some(s), _) => openai::scenarios_for(&cx, &engine, cx.scenarios(s)?, Some(s), span.clone())?,
+            (None, Some(s)) => openai::scenarios_for(&cx, &engine, suite_scenarios.clone(), Some(s), span.clone())?,
+            (None, None) => openai::scenarios_for(&cx, &engine, suite_scenarios.clone(), None, span.clone())?,
         };
         let spec = CheckpointSpec {
             name,
@@ -386,7 +186,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             tolerance,
             prompts: prompt_names,
         };
-        cx.coverage(&spec, &prompts, &spans, span)?;
+        cx.audit(&spec, &prompts, &spans, span)?;
         checkpoints.push(spec);
     }
 

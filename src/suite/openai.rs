@@ -1,11 +1,14 @@
 //! `[engine] kind = "openai"`: the suite's server, its paths and what every request carries,
 //! with the same file:line:column errors as the rest of the suite.
 
+use serde_json::{Map, Value};
 use toml::Spanned;
 
-use super::{Ctx, EngineSpec, RawEngine, RawPath, SuiteError, expand_env};
-use super::{OpenaiPath, OpenaiSpec, PromptForm, ServerSpec, openai};
-use crate::scenario::{ALL, REQUEST_LEVEL, Scenario};
+use super::raw::{RawEngine, RawPath};
+use super::{Ctx, SuiteError, expand_env};
+use crate::vocab::{
+    EngineSpec, OpenaiPath, OpenaiSpec, PromptForm, REQUEST_LEVEL, RESERVED_FIELDS, STEP_LEVEL, Scenario, ServerSpec,
+};
 
 pub(super) fn parse(cx: &Ctx, raw: &Spanned<RawEngine>) -> Result<EngineSpec, SuiteError> {
     let e = raw.get_ref();
@@ -31,9 +34,7 @@ pub(super) fn parse(cx: &Ctx, raw: &Spanned<RawEngine>) -> Result<EngineSpec, Su
             if let Some(m) = &e.model {
                 return Err(cx.err(m.span(), "engine.model: a `url` server is already running; nothing is started"));
             }
-            ServerSpec::Url(
-                openai::loopback_url(u.get_ref()).map_err(|m| cx.err(u.span(), format!("engine.url: {m}")))?,
-            )
+            ServerSpec::Url(loopback_url(u.get_ref()).map_err(|m| cx.err(u.span(), format!("engine.url: {m}")))?)
         }
         _ => {
             return Err(cx.err(
@@ -60,7 +61,7 @@ pub(super) fn parse(cx: &Ctx, raw: &Spanned<RawEngine>) -> Result<EngineSpec, Su
             .map_err(|why| cx.err(raw_paths.span(), format!("engine.paths: `{}` {why}", name.escape_debug())))?;
         let (args, request) = match p {
             RawPath::Args(a) => (a.clone(), serde_json::Map::new()),
-            RawPath::Table { args, request } => (args.clone(), openai::request_fields(request).map_err(here)?),
+            RawPath::Table { args, request } => (args.clone(), request_fields(request).map_err(here)?),
         };
         if matches!(server, ServerSpec::Url(_)) && !args.is_empty() {
             return Err(here("a `url` server is already running: a path can only differ by `request` fields".into()));
@@ -101,7 +102,7 @@ pub(super) fn parse(cx: &Ctx, raw: &Spanned<RawEngine>) -> Result<EngineSpec, Su
         None => PromptForm::Text,
     };
     let request = match &e.request {
-        Some(r) => openai::request_fields(r.get_ref()).map_err(|m| cx.err(r.span(), format!("engine.request: {m}")))?,
+        Some(r) => request_fields(r.get_ref()).map_err(|m| cx.err(r.span(), format!("engine.request: {m}")))?,
         None => serde_json::Map::new(),
     };
     Ok(EngineSpec::Openai(OpenaiSpec {
@@ -134,7 +135,7 @@ pub(super) fn scenarios_for(
     if openai && written.is_none() {
         return Ok(REQUEST_LEVEL.to_vec());
     }
-    let allowed: &[Scenario] = if openai { REQUEST_LEVEL } else { ALL };
+    let allowed: &[Scenario] = if openai { REQUEST_LEVEL } else { STEP_LEVEL };
     for (i, s) in scenarios.iter().enumerate() {
         if !allowed.contains(s) {
             let span = written.and_then(|w| w.get(i)).map(|w| w.span()).unwrap_or(checkpoint);
@@ -166,4 +167,71 @@ pub(super) fn openai_only_key(raw: &Spanned<RawEngine>) -> Option<(&'static str,
     ]
     .into_iter()
     .find_map(|(k, s)| s.map(|s| (k, s)))
+}
+
+/// A TOML table of request fields as JSON, refusing the fields parity owns.
+fn request_fields(table: &toml::Table) -> Result<Map<String, Value>, String> {
+    if let Some(k) = table.keys().find(|k| RESERVED_FIELDS.contains(&k.as_str())) {
+        return Err(format!("`{k}` is set by parity on every request and cannot be overridden"));
+    }
+    match serde_json::to_value(table) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err("request fields must be a table".into()),
+        Err(e) => Err(format!("cannot express as JSON: {e}")),
+    }
+}
+
+/// Accept only `http://` URLs to a loopback host (`127.0.0.1`, `[::1]`, `localhost`): parity
+/// never sends a prompt off the machine. Returns the URL without a trailing slash.
+pub fn loopback_url(url: &str) -> Result<String, String> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| format!("`{url}`: only http:// to a loopback host (127.0.0.1, [::1], localhost) is allowed"))?;
+    let authority = rest.split('/').next().unwrap_or(rest);
+    if authority.contains('@') {
+        return Err(format!("`{url}`: credentials in a URL are not accepted"));
+    }
+    let host = if let Some(v6) = authority.strip_prefix('[') {
+        v6.split(']').next().map(|h| format!("[{h}]")).unwrap_or_default()
+    } else {
+        authority.split(':').next().unwrap_or(authority).to_string()
+    };
+    if !matches!(host.as_str(), "127.0.0.1" | "[::1]" | "localhost") {
+        return Err(format!(
+            "`{url}`: host `{host}` is not loopback; parity only contacts 127.0.0.1, [::1] or localhost"
+        ));
+    }
+    Ok(url.trim_end_matches('/').to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_loopback_urls_are_accepted() {
+        assert_eq!(loopback_url("http://127.0.0.1:8080/").as_deref(), Ok("http://127.0.0.1:8080"));
+        assert!(loopback_url("http://localhost:1").is_ok());
+        assert!(loopback_url("http://[::1]:8080").is_ok());
+        for bad in [
+            "http://10.0.0.1:8080",
+            "https://127.0.0.1:8080",
+            "http://example.com",
+            "http://127.0.0.1.example.com:80",
+            "http://user@127.0.0.1:80",
+            "http://[::2]:80",
+            "127.0.0.1:8080",
+        ] {
+            assert!(loopback_url(bad).is_err(), "{bad} was accepted");
+        }
+    }
+
+    #[test]
+    fn parity_owned_request_fields_are_refused() {
+        let t: toml::Table = toml::from_str("seed = 0\ncache_prompt = false").expect("toml");
+        let m = request_fields(&t).expect("fields");
+        assert_eq!(m.get("seed"), Some(&Value::from(0)));
+        let t: toml::Table = toml::from_str("temperature = 1.0").expect("toml");
+        assert!(request_fields(&t).unwrap_err().contains("temperature"));
+    }
 }

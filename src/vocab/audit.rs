@@ -1,19 +1,15 @@
-//! Settings that test nothing. `lookahead = 0` makes `rollback` roll back nothing and the row
-//! passes; a prompt that fits in one chunk makes `chunked` the same computation as `single`.
-//! A pass that checked nothing is worse than no row, so:
-//!
-//! - what the settings alone make vacuous is a suite error, reported by the parser at the
-//!   setting's `file:line:col` ([`settings_problems`]);
-//! - what depends on the prompt is a `skipped` row with the reason ([`skip_reason`],
-//!   [`absent_cases`]), never a silent pass and never a silently missing row.
-//!
-//! The same [`settings_problems`] also runs on every row, so settings built in code (not
-//! parsed) cannot slip through either.
+//! The settings audit: settings that test nothing. `lookahead = 0` makes `rollback` roll back
+//! nothing and the row passes; a block size no sequence crosses makes the paged backend read
+//! no block boundary. A pass that checked nothing is worse than no row, so what the settings
+//! alone make vacuous is a suite error, reported by the parser at the setting's
+//! `file:line:col`. The same audit runs again on every row the judge weighs, so settings
+//! built in code (not parsed) cannot slip through either; what depends on the prompt is
+//! decided there, on the case that ran.
 
 use std::collections::VecDeque;
 
+use super::{ConcurrentSettings, Scenario, Settings};
 use crate::kv::Backend;
-use crate::scenario::{self, CaseOutput, Prompt, Scenario, Settings};
 
 /// A vacuous setting: the keys to blame (most specific first; the parser points at the first
 /// one the suite actually wrote) and why.
@@ -137,7 +133,7 @@ pub fn settings_problems(
 
 /// The settings to blame when no two `concurrent` requests overlap, most specific first. A
 /// server (`server`) admits what it is sent, so `max_batch` is not one of them there.
-fn concurrent_keys(c: &scenario::ConcurrentSettings, server: bool) -> &'static [&'static str] {
+fn concurrent_keys(c: &ConcurrentSettings, server: bool) -> &'static [&'static str] {
     if !server && c.max_batch < 2 {
         &["settings.concurrent.max_batch"]
     } else if c.requests < 2 {
@@ -156,8 +152,7 @@ pub fn request_level_problems(s: &Settings, scenarios: &[Scenario]) -> Vec<Probl
     let c = &s.concurrent;
     // The server, not `max_batch`, decides what runs together: replay the schedule with every
     // request admitted, as the requests are sent.
-    let sent =
-        Settings { concurrent: scenario::ConcurrentSettings { max_batch: c.requests, ..c.clone() }, ..s.clone() };
+    let sent = Settings { concurrent: ConcurrentSettings { max_batch: c.requests, ..c.clone() }, ..s.clone() };
     if scenarios.contains(&Scenario::Concurrent) && (c.requests < 2 || concurrent_peak_batch(&sent) < 2) {
         out.push(problem(
             concurrent_keys(c, true),
@@ -202,7 +197,8 @@ fn rows_written(sc: Scenario, n: usize, s: &Settings) -> usize {
 }
 
 /// The largest number of requests `concurrent` decodes in one step with these settings: the
-/// scenario's schedule replayed without a model (tested against the scenario's own report).
+/// scenario's schedule ([`ConcurrentSettings::schedule`]) replayed without a model (tested
+/// against the scenario's own report).
 /// Stops as soon as two requests overlap, and jumps over stretches where one request runs
 /// alone, so untrusted settings cannot make it loop for long.
 pub fn concurrent_peak_batch(s: &Settings) -> usize {
@@ -211,10 +207,9 @@ pub fn concurrent_peak_batch(s: &Settings) -> usize {
         return 0;
     }
     let m = s.max_tokens;
-    // (arrival, index, steps): the scenario's staggered lengths.
-    let mut pending: Vec<(usize, usize, usize)> = (0..c.requests)
-        .map(|j| (c.arrivals[j % c.arrivals.len()], j, m.saturating_sub((j % 3) * (m / 4)).max(1)))
-        .collect();
+    // (arrival, index, steps), in the order the scenario admits them.
+    let mut pending: Vec<(usize, usize, usize)> =
+        c.schedule(m).into_iter().enumerate().map(|(j, a)| (a.at, j, a.steps)).collect();
     pending.sort();
     let mut pending = VecDeque::from(pending);
     // (tokens so far, steps) of each running request.
@@ -246,52 +241,4 @@ pub fn concurrent_peak_batch(s: &Settings) -> usize {
         active.retain(|&(done, steps)| done < steps);
     }
     peak
-}
-
-/// Why a case that ran tested nothing of its scenario, if it did not: the row is then
-/// `skipped` with this reason instead of passing.
-pub fn skip_reason(sc: Scenario, backend: Backend, case: &CaseOutput, s: &Settings) -> Option<String> {
-    if let Some(p) = settings_problems(s, &[sc], &[backend], None).into_iter().next() {
-        return Some(p.message);
-    }
-    let n = case.prompt.ids.len();
-    match sc {
-        Scenario::Chunked if n <= s.chunk => Some(format!(
-            "the {n}-token prompt fits in one chunk of {}: prefilled in one forward, as `single` does",
-            s.chunk
-        )),
-        // Only the cases whose point is trimming right pads; batch-left always has masked pads.
-        Scenario::Padded
-            if matches!(case.case.as_str(), "tile" | "batch-right")
-                && case.paths.iter().all(|p| p.layout.iter().all(|l| l.pads_trimmed == 0)) =>
-        {
-            Some(format!("no pad rows: the {n}-token prompt fills whole tiles of {}, so nothing is trimmed", s.tile))
-        }
-        _ => None,
-    }
-}
-
-/// Cases a scenario leaves out for a prompt (no partner of another length, a prompt too short
-/// to share), as `(prompt name, case, reason)`: reported as skipped rows, not left missing.
-pub fn absent_cases(sc: Scenario, prompts: &[Prompt]) -> Vec<(String, &'static str, String)> {
-    let mut out = Vec::new();
-    for (i, p) in prompts.iter().enumerate() {
-        let unpaired = scenario::ragged_partner(prompts, i).is_none();
-        let why = format!("no prompt of another length than {} tokens to pair with", p.ids.len());
-        match sc {
-            Scenario::Batch2 if unpaired => out.push((p.name.clone(), "ragged", why)),
-            Scenario::Padded if unpaired => out.push((p.name.clone(), "batch-right", why)),
-            Scenario::Prefix if p.ids.len() < 3 => out.push((
-                p.name.clone(),
-                "*",
-                format!(
-                    "the {}-token prompt is too short to share: prefix needs at least 3 tokens (a shared part \
-                     and an own part)",
-                    p.ids.len()
-                ),
-            )),
-            _ => {}
-        }
-    }
-    out
 }

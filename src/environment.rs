@@ -1,9 +1,25 @@
-//! Facts about the MLX runtime a report records.
+//! The environment a run computes in, as every report records it: MLX's device (chosen here,
+//! once per process), its version, the BLAS behind its CPU matmuls, the OS and architecture.
 
 use mlx_rs::{Device, DeviceType};
+use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
-use crate::report::Environment;
+
+/// What a report records about where it ran.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Environment {
+    pub mlx_version: String,
+    /// `cpu` or `gpu`: MLX's default device for the run.
+    pub device: String,
+    pub os: String,
+    pub arch: String,
+    /// The BLAS that ran MLX's CPU matmuls and the kernel it chose, when it says (OpenBLAS:
+    /// `OpenBLAS 0.3.21 ... Prescott`). Bit-identity between runs depends on it, and an
+    /// OpenBLAS that does not know the CPU falls back to a generic kernel 2-3x slower.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blas: Option<String>,
+}
 
 /// MLX's own version string (from the linked library, not from a pin).
 pub fn mlx_version() -> String {

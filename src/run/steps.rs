@@ -1,0 +1,172 @@
+//! A checkpoint on a stepped engine (kind = "builtin" or "process"): parity's own load of the
+//! weights when a builtin path or reference needs it, the reference path and every path a cell
+//! needs opened once, then each cell's step-level scenario run against the references and
+//! judged. References and noise floors are computed when a selected row first needs them, so
+//! a narrow `--filter` (bisect) pays for its own rows only.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use super::judge::Judge;
+use super::select::cell_selected;
+use super::{Cell, Progress, Resolved, RunOptions, blanket_rows, each_cell, encode_all, encoded_ids, unencoded_rows};
+use crate::compare;
+use crate::engine::{self, Dirs, EnginePath};
+use crate::error::Result;
+use crate::model::Model;
+use crate::report::{CheckpointReport, CheckpointStatus, Phase, Row, finite, row_id};
+use crate::scenario::{self, CaseOutput, ForcedSeq, Outcome, Selector, Setup};
+use crate::vocab::{EngineSpec, Prompt, Verdict};
+
+pub(super) fn run(
+    r: &Resolved,
+    cells: &[Cell],
+    opts: &RunOptions,
+    progress: &dyn Progress,
+    report: &mut CheckpointReport,
+) -> Vec<Row> {
+    let (suite, spec, config) = (r.suite, r.spec, &r.config);
+    // The engine's vocabulary is checked once it says what it is (below).
+    let mut prompts = encode_all(r, cells, config.vocab_size);
+    report.prompt_ids = encoded_ids(&prompts);
+    let pad = config.pad_token_id.or_else(|| config.eos_token_ids.first().copied()).unwrap_or(0);
+    let all: Vec<Prompt> = prompts.values().filter_map(|p| p.as_ref().ok().cloned()).collect();
+    // Under a filter, only the cells with a selected row load or start anything.
+    let cells: Vec<&Cell> = match opts.filter {
+        None => cells.iter().collect(),
+        Some(_) => cells.iter().filter(|c| cell_selected(r, c, &prompts, &all, pad)).collect(),
+    };
+    if cells.is_empty() {
+        return Vec::new();
+    }
+
+    let error = |report: &mut CheckpointReport, why: String| {
+        report.status = CheckpointStatus::Error;
+        report.reason = Some(why.clone());
+        blanket_rows(suite, spec, cells.iter().copied(), r.filter, Verdict::Error, &why)
+    };
+    let model = if spec.engine.needs_builtin() {
+        match Model::load(&r.dir, config.clone(), spec.dtype.resolve(), spec.dequantize) {
+            Ok(m) => Some(m),
+            Err(e) => return error(report, e.to_string()),
+        }
+    } else {
+        None
+    };
+    report.phases.push(Phase { name: "load".into(), seconds: r.loading.elapsed().as_secs_f64() });
+
+    // The reference path first (nothing can be judged without it), then every path a cell
+    // needs. A path that cannot start fails its own rows only.
+    let t = Instant::now();
+    let suite_dir = suite.dir();
+    let dirs = Dirs { checkpoint: &r.dir, suite_dir: &suite_dir };
+    let open = |name: Option<&str>| engine::open(spec, name, model.as_ref(), dirs);
+    let mut reference = match open(None) {
+        Ok(p) => p,
+        Err(e) => return error(report, format!("reference path {}: {e}", spec.engine.reference().describe())),
+    };
+    let mut paths: BTreeMap<String, std::result::Result<Box<dyn EnginePath + '_>, String>> = BTreeMap::new();
+    for c in &cells {
+        if !paths.contains_key(&c.path) {
+            paths.insert(c.path.clone(), open(Some(&c.path)).map_err(|e| e.to_string()));
+        }
+    }
+    if !matches!(spec.engine, EngineSpec::Builtin) {
+        report.phases.push(Phase { name: "start".into(), seconds: t.elapsed().as_secs_f64() });
+    }
+    let reference_info = reference.info().clone();
+    report.dtype = reference_info.dtype.name().to_string();
+    report.reference_engine = Some(reference_info.engine.clone());
+    report.reference_path = Some(reference_info.name.clone());
+    report.engine = paths.values().find_map(|p| p.as_ref().ok()).map(|p| p.info().engine.clone());
+
+    // The engine's vocabulary is what counts (an adapter may pad it differently from config.json).
+    for p in prompts.values_mut() {
+        if let Ok(prompt) = p
+            && let Some(bad) = prompt.ids.iter().find(|&&i| i as usize >= reference_info.vocab_size)
+        {
+            *p = Err(format!(
+                "prompt `{}`: token id {bad} is outside the engine's vocabulary of {}",
+                prompt.name, reference_info.vocab_size
+            ));
+        }
+    }
+    let mut setup = Setup::new(reference.as_mut(), spec.settings.clone(), opts.faults, pad);
+    let mut floors: BTreeMap<String, Option<f32>> = BTreeMap::new();
+    let rows = each_cell(cells.iter().copied(), r.filter, progress, &mut report.phases, |cell, _| {
+        let mut rows = unencoded_rows(r, cell, &prompts);
+        let good: Vec<Prompt> = cell.prompts.iter().filter_map(|p| prompts[p].as_ref().ok().cloned()).collect();
+        if good.is_empty() {
+            return rows;
+        }
+        let (ck, sc, path_name, filter) = (spec.name.as_str(), cell.scenario.name(), cell.path.clone(), r.filter);
+        let select: Option<Selector> = opts.filter.as_ref().map(|_| {
+            Box::new(move |prompt: &str, case: &str| filter.selects(&row_id(ck, prompt, sc, case, &path_name)))
+                as Selector
+        });
+        setup.select(select);
+        let judge = Judge { spec, cell, tokenizer: &r.tokenizer };
+        match paths.get_mut(&cell.path) {
+            Some(Ok(path)) => {
+                let info = path.info().clone();
+                for c in scenario::run(cell.scenario, &mut setup, path.as_mut(), &good) {
+                    let floor = floor_for(&mut setup, &mut floors, &c.prompt.name, &all);
+                    rows.push(judge.steps(&c, &mut setup, floor, &info));
+                }
+            }
+            Some(Err(why)) => {
+                let why = format!("path {} did not start: {why}", cell.path);
+                for c in CaseOutput::for_every_prompt(&good, Outcome::NotRun(why)) {
+                    rows.push(judge.steps(&c, &mut setup, None, &reference_info));
+                }
+            }
+            None => {}
+        }
+        setup.select(None);
+        rows
+    });
+    report.noise_floor = floors;
+    rows
+}
+
+/// The noise floor of a row's base prompt (`p` of `p/shared7`), measured once per prompt.
+fn floor_for(
+    setup: &mut Setup,
+    floors: &mut BTreeMap<String, Option<f32>>,
+    prompt: &str,
+    all: &[Prompt],
+) -> Option<f32> {
+    let base = prompt.split('/').next().unwrap_or(prompt);
+    if let Some(f) = floors.get(base) {
+        return *f;
+    }
+    let p = all.iter().find(|p| p.name == base)?;
+    // A measurement aid: if it cannot be taken, the floor is unknown (null), not a failure.
+    let floor = noise_floor(setup, p, all).ok().flatten();
+    floors.insert(base.to_string(), floor);
+    floor
+}
+
+/// The reference re-run in a different batch composition (as row 1 of a batch of two on the
+/// reference path, next to another prompt): how far apart two correct runs are on this machine.
+fn noise_floor(setup: &mut Setup, p: &Prompt, all: &[Prompt]) -> Result<Option<f32>> {
+    let partner = all
+        .iter()
+        .find(|q| q.ids != p.ids)
+        .cloned()
+        .unwrap_or_else(|| Prompt { name: "reversed".into(), ids: p.ids.iter().rev().copied().collect() });
+    let (reference, partner_ref) = (setup.reference(&p.ids)?, setup.reference(&partner.ids)?);
+    let steps = setup.settings.max_tokens;
+    let info = setup.reference_info().clone();
+    if info.capabilities.max_batch.is_some_and(|m| m < 2) {
+        return Ok(None);
+    }
+    let mut s = setup.reference_session()?;
+    let mut lives =
+        [ForcedSeq::new(s.create(0)?, &partner_ref, steps), ForcedSeq::new(s.create(0)?, &reference, steps)];
+    scenario::prefill(s.as_mut(), &mut lives[0], &partner.ids)?;
+    scenario::prefill(s.as_mut(), &mut lives[1], &p.ids)?;
+    scenario::decode_all(s.as_mut(), &mut lives)?;
+    let cmp = compare::compare(&reference, &lives[1].trace, info.dtype, f32::INFINITY)?;
+    Ok(finite(cmp.max_rel_rms))
+}
