@@ -199,6 +199,11 @@ pub fn compare(reference: &Trace, path: &PathTrace, dtype: DtypeName, tolerance:
     })
 }
 
+/// A metric as reports carry it: NaN (a poisoned read) becomes `None`, serialised as `null`.
+pub fn finite(x: f32) -> Option<f32> {
+    x.is_finite().then_some(x)
+}
+
 /// `max` that lets NaN win, so a poisoned step is never hidden by a later clean one.
 pub fn nan_max(a: f32, b: f32) -> f32 {
     if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) }

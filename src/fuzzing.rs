@@ -10,8 +10,8 @@ use std::path::Path;
 
 use crate::checkpoint::weights::parse_header;
 use crate::checkpoint::{ModelConfig, QuantSpec, RopeScaling};
-use crate::vocab::{EngineSpec, ServerSpec};
 use crate::suite;
+use crate::vocab::{EngineSpec, ServerSpec};
 
 /// Suite parser: errors carry a position inside the text; accepted suites hold only safe
 /// names, bounded sizes and settings that test something.

@@ -45,8 +45,8 @@ pub mod report;
 mod run;
 mod scenario;
 pub mod selftest;
-pub mod vocab;
 mod suite;
+pub mod vocab;
 
 pub use cli::main;
 pub use error::{Error, Result, TensorProblem};

@@ -6,14 +6,14 @@ mod common;
 
 use parity::Builtin;
 
-use parity::vocab::Verdict;
-use parity::vocab::audit;
+use parity::Setup;
 use parity::faults::Faults;
 use parity::kv::Backend;
 use parity::report::Row;
-use parity::{NoProgress, RunOptions, run_suite};
-use parity::Setup;
+use parity::vocab::Verdict;
+use parity::vocab::audit;
 use parity::vocab::{Prompt, Scenario, Settings};
+use parity::{NoProgress, RunOptions, run_suite};
 
 fn run(prompts: &str, scenarios: &str, settings: &str) -> Vec<Row> {
     common::cpu();

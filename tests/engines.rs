@@ -11,11 +11,11 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use parity::vocab::Verdict;
 use parity::faults;
 use parity::report::Report;
-use parity::{NoProgress, RunOptions, run_suite};
 use parity::selftest;
+use parity::vocab::Verdict;
+use parity::{NoProgress, RunOptions, run_suite};
 
 const PARITY: &str = env!("CARGO_BIN_EXE_parity");
 
@@ -127,8 +127,7 @@ fn an_adapter_that_exits_at_start_fails_its_rows_with_its_stderr() {
 #[test]
 fn an_adapter_that_crashes_mid_run_is_contained_and_given_up_on() {
     let r = contained("crash", "3", 30.0, "killed by signal 9");
-    let failures: Vec<String> =
-        r.rows.iter().filter(|r| r.path == "paged").filter_map(|r| r.failure.clone()).collect();
+    let failures: Vec<String> = r.rows.iter().filter(|r| r.path == "paged").filter_map(|r| r.failure.clone()).collect();
     assert!(failures[0].contains("crashing on forward 3"), "stderr tail: {}", failures[0]);
     assert!(failures.iter().any(|f| f.contains("given up after 2 failures")), "{failures:?}");
 }

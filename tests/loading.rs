@@ -7,8 +7,8 @@ use std::path::Path;
 use parity::Error;
 use parity::checkpoint::{self, ModelConfig};
 use parity::dtype::DtypeName;
-use parity::generate;
 use parity::faults::Faults;
+use parity::generate;
 use parity::kv::{DenseCache, PagedBlockPool, PoolOptions};
 use parity::model::Model;
 

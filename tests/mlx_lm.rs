@@ -45,12 +45,7 @@ fn mlx_lm_caches_match_kvcache_and_parity_on_the_llama_fixture() {
     }
     // RotatingKVCache with a window larger than the run is KVCache: same tokens, row by row.
     let tokens = |path: &str| -> Vec<(String, Vec<u32>)> {
-        report
-            .rows
-            .iter()
-            .filter(|r| r.path == path)
-            .map(|r| (r.id().replace(path, "*"), r.tokens.clone()))
-            .collect()
+        report.rows.iter().filter(|r| r.path == path).map(|r| (r.id().replace(path, "*"), r.tokens.clone())).collect()
     };
     assert_eq!(tokens("RotatingKVCache"), tokens("KVCache"));
     assert!(report.rows.iter().filter(|r| r.path == "BatchKVCache").count() > 50);

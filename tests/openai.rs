@@ -13,10 +13,10 @@ mod common;
 
 use std::path::PathBuf;
 
-use parity::vocab::Verdict;
 use parity::report::{Report, Row};
-use parity::{NoProgress, RunOptions, run_suite};
 use parity::vocab::Scenario;
+use parity::vocab::Verdict;
+use parity::{NoProgress, RunOptions, run_suite};
 
 /// A suite on the llama-tiny fixture with the fake server; `paths` are `name = [args]` lines.
 fn suite(tag: &str, engine_extra: &str, tolerance: &str, paths: &[(&str, &str)]) -> PathBuf {

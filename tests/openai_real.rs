@@ -18,8 +18,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use parity::vocab::Verdict;
 use parity::report::Report;
+use parity::vocab::Verdict;
 use parity::{NoProgress, RunOptions, run_suite};
 
 /// `suites/NAME.toml` cut down: one prompt, four tokens, the given paths, `batch2` only, and

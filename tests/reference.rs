@@ -3,8 +3,8 @@
 
 mod common;
 
-use parity::generate;
 use parity::faults::Faults;
+use parity::generate;
 use parity::kv::{DenseCache, KvCache, PagedBlockPool, PoolOptions};
 use serde_json::Value;
 

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 
 use parity::Choice;
-use parity::vocab::Verdict;
 use parity::report::diff::text_diff;
 use parity::report::merge::merge;
 use parity::report::{
@@ -12,6 +11,7 @@ use parity::report::{
     Shard, StepPlace, Summary, html, junit, markdown, table,
 };
 use parity::vocab::Settings;
+use parity::vocab::Verdict;
 
 const NOT_FOUND: &str = "checkpoint `Qwen/Qwen3-0.6B` not found; looked in:
   - /work/suites/Qwen/Qwen3-0.6B
@@ -284,7 +284,10 @@ fn nan_and_missing_noise_floor() {
 
 #[test]
 fn xml_escaping() {
-    assert_eq!(parity::report::escape::xml("<a href=\"x\">&'b'</a>"), "&lt;a href=&quot;x&quot;&gt;&amp;&apos;b&apos;&lt;/a&gt;");
+    assert_eq!(
+        parity::report::escape::xml("<a href=\"x\">&'b'</a>"),
+        "&lt;a href=&quot;x&quot;&gt;&amp;&apos;b&apos;&lt;/a&gt;"
+    );
     // Tabs and newlines survive attribute normalisation; what XML 1.0 cannot carry is shown.
     assert_eq!(parity::report::escape::xml("a\tb\nc\r"), "a&#9;b&#10;c&#13;");
     assert_eq!(parity::report::escape::xml("\u{0}\u{1b}x\u{ffff}"), "\\u{0}\\u{1b}x\\u{ffff}");

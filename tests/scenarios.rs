@@ -3,13 +3,13 @@
 
 mod common;
 
-use parity::vocab::Verdict;
-use parity::dtype::DtypeName;
 use parity::Builtin;
-use parity::vocab::BuiltinPath;
+use parity::dtype::DtypeName;
 use parity::faults::Faults;
 use parity::kv::Backend;
 use parity::model::Model;
+use parity::vocab::BuiltinPath;
+use parity::vocab::Verdict;
 use parity::vocab::{self, Prompt, Settings};
 use parity::{Outcome, Setup};
 

@@ -4,8 +4,8 @@
 mod common;
 
 use parity::faults;
-use parity::{NoProgress, RunOptions};
 use parity::selftest;
+use parity::{NoProgress, RunOptions};
 
 #[test]
 fn every_fault_is_caught_on_the_llama_fixture_and_the_clean_run_passes() {

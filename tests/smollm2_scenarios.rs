@@ -4,9 +4,9 @@
 
 mod common;
 
+use parity::vocab::Scenario;
 use parity::vocab::Verdict;
 use parity::{NoProgress, RunOptions, run_suite};
-use parity::vocab::Scenario;
 
 #[test]
 fn padded_batch2_and_concurrent_match_the_dense_reference() {
@@ -29,16 +29,7 @@ fn padded_batch2_and_concurrent_match_the_dense_reference() {
             assert!(r.prompt == "exact32" && r.notes.iter().any(|n| n.contains("no pad rows")), "{r:?}");
             continue;
         }
-        assert_eq!(
-            r.verdict,
-            Verdict::Identical,
-            "{}/{}:{}/{}: {:?}",
-            r.prompt,
-            r.scenario,
-            r.case,
-            r.path,
-            r.failure
-        );
+        assert_eq!(r.verdict, Verdict::Identical, "{}/{}:{}/{}: {:?}", r.prompt, r.scenario, r.case, r.path, r.failure);
         assert!(r.pass);
         // Same arithmetic up to the GEMM shape (a 64-row padded prefill blocks differently
         // from a 37-row one): float32 noise, far below the 1e-3 tolerance.

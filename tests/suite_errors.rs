@@ -123,7 +123,8 @@ fn engine_tables_are_checked_before_anything_starts() {
         3,
         "unknown path `dense`; this engine has a",
     );
-    let s = parity::parse_suite(Path::new("suites/x.toml"), &process("reference = \"builtin:dense\"", "a = []")).unwrap();
+    let s =
+        parity::parse_suite(Path::new("suites/x.toml"), &process("reference = \"builtin:dense\"", "a = []")).unwrap();
     assert!(s.checkpoints[0].engine.needs_builtin());
 }
 

@@ -58,7 +58,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
             let tensors = w.names().count();
             match Model::from_weights(&mut w, c, None, false) {
                 Ok(_) => {}
-                Err(crate::error::Error::Checkpoint { problems: p, .. }) => problems.extend(p.iter().map(ToString::to_string)),
+                Err(crate::error::Error::Checkpoint { problems: p, .. }) => {
+                    problems.extend(p.iter().map(ToString::to_string))
+                }
                 Err(e) => problems.push(e.to_string()),
             }
             let unused = w.leftovers();

@@ -14,8 +14,8 @@ use crate::report::snapshot::{self, UpdateMode};
 use crate::report::table::{self, Widths};
 use crate::report::{Report, Row, Shard};
 use crate::run::{Progress, RunOptions, run_suite};
-use crate::vocab::Scenario;
 use crate::suite;
+use crate::vocab::Scenario;
 
 #[derive(ClapArgs, Clone)]
 pub struct Args {

@@ -25,11 +25,12 @@ use mlx_rs::Array;
 use serde::{Deserialize, Serialize};
 
 use crate::array::{greedy, rows};
+use crate::checkpoint::ModelConfig;
 use crate::dtype::DtypeName;
 use crate::error::Result;
 use crate::faults::Faults;
 use crate::kv::{KvStats, SeqId};
-use crate::model::RowStep;
+use crate::model::{Model, RowStep};
 use crate::vocab::{BuiltinPath, CheckpointSpec, EngineId, EngineSpec, ReferenceSpec, Trace};
 
 /// Where a started engine lives: the resolved checkpoint (what `{model}` or `{checkpoint}`
@@ -219,36 +220,53 @@ pub fn generate(session: &mut dyn Session, prompt: &[u32], max_tokens: usize) ->
     Ok((seq, trace))
 }
 
-/// Open path `name` of a checkpoint's step-level engine, or its reference path when `name` is
-/// `None`. `model` is parity's own load of the checkpoint (needed by builtin paths and
-/// references).
-pub fn open<'m>(
-    spec: &CheckpointSpec,
-    name: Option<&str>,
-    model: Option<&'m crate::model::Model>,
-    dirs: Dirs,
-) -> Result<Box<dyn EnginePath + 'm>> {
-    let (engine, settings) = (&spec.engine, &spec.settings);
-    let builtin = |path: BuiltinPath| -> Result<Box<dyn EnginePath + 'm>> {
-        let model =
-            model.ok_or_else(|| crate::error::Error::Invalid("the builtin runtime's weights were not loaded".into()))?;
-        Ok(Box::new(builtin::Builtin::new(model, path, settings)))
-    };
-    let target = match name {
-        Some(n) => ReferenceSpec::Path(n.to_string()),
-        None => engine.reference(),
-    };
-    match (engine, target) {
-        (_, ReferenceSpec::Builtin(path)) => builtin(path),
-        (EngineSpec::Builtin, ReferenceSpec::Path(n)) => builtin(n.parse().map_err(crate::error::Error::Invalid)?),
-        (EngineSpec::Process(p), ReferenceSpec::Path(n)) => {
-            let dtype = spec.dtype.resolve().map_or("native", |d| d.name());
-            Ok(Box::new(process::ProcessPath::start(p, &n, dirs, dtype, settings)?))
+/// A checkpoint's step-level engine (kind = "builtin" or "process"), which its paths are opened
+/// from. It holds parity's own load of the weights when a builtin path or a builtin reference
+/// needs them: loaded once, shared by every builtin path.
+pub struct Engine<'a> {
+    spec: &'a CheckpointSpec,
+    dirs: Dirs<'a>,
+    model: Option<Model>,
+}
+
+impl<'a> Engine<'a> {
+    /// Load what the checkpoint's engine needs in process: the weights, when a builtin path or
+    /// reference reads them.
+    pub fn load(spec: &'a CheckpointSpec, dirs: Dirs<'a>, config: &ModelConfig) -> Result<Self> {
+        let model = if spec.engine.needs_builtin() {
+            Some(Model::load(dirs.checkpoint, config.clone(), spec.dtype.resolve(), spec.dequantize)?)
+        } else {
+            None
+        };
+        Ok(Engine { spec, dirs, model })
+    }
+
+    /// Open path `name`, or the reference path when `name` is `None`.
+    pub fn open(&self, name: Option<&str>) -> Result<Box<dyn EnginePath + '_>> {
+        let (engine, settings) = (&self.spec.engine, &self.spec.settings);
+        let builtin = |path: BuiltinPath| -> Result<Box<dyn EnginePath + '_>> {
+            let model = self
+                .model
+                .as_ref()
+                .ok_or_else(|| crate::error::Error::Invalid("the builtin runtime's weights were not loaded".into()))?;
+            Ok(Box::new(builtin::Builtin::new(model, path, settings)))
+        };
+        let target = match name {
+            Some(n) => ReferenceSpec::Path(n.to_string()),
+            None => engine.reference(),
+        };
+        match (engine, target) {
+            (_, ReferenceSpec::Builtin(path)) => builtin(path),
+            (EngineSpec::Builtin, ReferenceSpec::Path(n)) => builtin(n.parse().map_err(crate::error::Error::Invalid)?),
+            (EngineSpec::Process(p), ReferenceSpec::Path(n)) => {
+                let dtype = self.spec.dtype.resolve().map_or("native", |d| d.name());
+                Ok(Box::new(process::ProcessPath::start(p, &n, self.dirs, dtype, settings)?))
+            }
+            (EngineSpec::Openai(o), ReferenceSpec::Path(n)) => Err(crate::error::Error::Engine {
+                engine: o.name.clone(),
+                path: n,
+                message: "an OpenAI-compatible server cannot be stepped; it runs request-level scenarios".into(),
+            }),
         }
-        (EngineSpec::Openai(o), ReferenceSpec::Path(n)) => Err(crate::error::Error::Engine {
-            engine: o.name.clone(),
-            path: n,
-            message: "an OpenAI-compatible server cannot be stepped; it runs request-level scenarios".into(),
-        }),
     }
 }

@@ -363,8 +363,3 @@ impl Report {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
     }
 }
-
-/// `f32` for reports: NaN (a poisoned read) becomes `None`, serialised as `null`.
-pub fn finite(x: f32) -> Option<f32> {
-    x.is_finite().then_some(x)
-}

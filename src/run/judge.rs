@@ -9,13 +9,13 @@ use std::ops::ControlFlow;
 
 use super::Cell;
 use crate::checkpoint::Tokenizer;
-use crate::compare::{self, Choice, LogprobComparison, PathComparison, nan_max};
+use crate::compare::{self, Choice, LogprobComparison, PathComparison, finite, nan_max};
 use crate::engine::PathInfo;
 use crate::engine::openai::Completion;
 use crate::kv::Backend;
-use crate::report::{ApiFacts, DivergenceReport, Row, StepPlace, finite};
-use crate::scenario::requests::{Answers, References};
-use crate::scenario::{CaseOutput, Outcome, Setup};
+use crate::report::{ApiFacts, DivergenceReport, Row, StepPlace};
+use crate::scenario::requests::Answers;
+use crate::scenario::{CaseOutput, Outcome, Sequences};
 use crate::vocab::{CheckpointSpec, Scenario, Settings, StepLayout, Tolerance, Verdict, audit};
 
 /// What every row of one cell is judged against.
@@ -29,12 +29,13 @@ pub(super) struct Judge<'a> {
 impl Judge<'_> {
     /// The row of a stepped path's case: each sequence's logits against the reference
     /// trace of its prompt. `floor`: the prompt's noise floor; `path`: what the path is.
-    pub fn steps(&self, c: &CaseOutput, setup: &mut Setup, floor: Option<f32>, path: &PathInfo) -> Row {
+    pub fn steps(&self, c: &CaseOutput, floor: Option<f32>, path: &PathInfo) -> Row {
         let mut row = match self.opened(c) {
             ControlFlow::Continue(row) => row,
             ControlFlow::Break(done) => return done,
         };
-        row.paths = c.measured.len();
+        let Sequences { reference, paths } = &c.measured;
+        row.paths = paths.len();
         row.kv = c.kv;
         row.noise_floor_rel_rms = floor;
         // A case that tested nothing of its scenario is skipped with the reason, never a pass.
@@ -44,13 +45,9 @@ impl Judge<'_> {
             row.notes.push(why);
             return row;
         }
-        let reference = match setup.reference(&c.prompt.ids) {
-            Ok(r) => r,
-            Err(e) => return fail(row, format!("reference: {e}")),
-        };
         let mut compared: Vec<PathComparison> = Vec::new();
-        for trace in &c.measured {
-            match compare::compare(&reference, trace, path.dtype, self.spec.tolerance.max_rel_rms) {
+        for trace in paths {
+            match compare::compare(reference, trace, path.dtype, self.spec.tolerance.max_rel_rms) {
                 Ok(cmp) => compared.push(cmp),
                 Err(e) => return fail(row, format!("comparison: {e}")),
             }
@@ -79,7 +76,7 @@ impl Judge<'_> {
         row.max_kl = finite(max_kl);
         row.step_rel_rms = step_rms.into_iter().map(finite).collect();
         row.step_kl = step_kl.into_iter().map(finite).collect();
-        let layout = &c.measured[w].layout;
+        let layout = &paths[w].layout;
         row.step_layout = StepPlace::runs(layout.iter().map(|l| StepPlace {
             step: 0,
             kv_row: l.kv_row,
@@ -107,7 +104,7 @@ impl Judge<'_> {
     /// path's answer to the same prompt sent alone, with the cross-checks the API allows (the
     /// server's prompt token count against parity's, its text against the decoding of its own
     /// most probable tokens, its presented token against its top-1).
-    pub fn requests(&self, c: &CaseOutput<Answers>, references: &References) -> Row {
+    pub fn requests(&self, c: &CaseOutput<Answers>) -> Row {
         let mut row = match self.opened(c) {
             ControlFlow::Continue(row) => row,
             ControlFlow::Break(done) => return done,
@@ -133,7 +130,7 @@ impl Judge<'_> {
                     return fail(row, format!("{} on {}: request {m}: {e}", self.cell.scenario.name(), self.cell.path));
                 }
             };
-            let reference = match references.get(&a.request.ids) {
+            let reference = match &a.reference {
                 Some(Ok(r)) => r,
                 Some(Err(e)) => return fail(row, format!("reference request failed: {e}")),
                 None => return fail(row, "no reference was computed for this prompt".into()),
@@ -314,7 +311,7 @@ fn vacuous(sc: Scenario, backend: Backend, case: &CaseOutput, s: &Settings) -> O
         // Only the cases whose point is trimming right pads; batch-left always has masked pads.
         Scenario::Padded
             if matches!(case.case.as_str(), "tile" | "batch-right")
-                && case.measured.iter().all(|p| p.layout.iter().all(|l| l.pads_trimmed == 0)) =>
+                && case.measured.paths.iter().all(|p| p.layout.iter().all(|l| l.pads_trimmed == 0)) =>
         {
             Some(format!("no pad rows: the {n}-token prompt fills whole tiles of {}, so nothing is trimmed", s.tile))
         }

@@ -106,13 +106,13 @@ pub(super) fn run(
         let cases = match start(&cell.path, cell.scenario.name()) {
             Ok(mut server) => {
                 phases.push(Phase { name: format!("start {}", cell.path), seconds: server.age() });
-                let cases = requests::run(planned, &mut server);
+                let cases = requests::run(planned, &mut server, &references);
                 server.stop();
                 cases
             }
             Err(why) => requests::not_run(planned, &format!("path `{}` did not start: {why}", cell.path)),
         };
-        rows.extend(cases.iter().map(|c| judge.requests(c, &references)));
+        rows.extend(cases.iter().map(|c| judge.requests(c)));
         rows
     });
     if let Some(e) = report.engine.as_mut()

@@ -10,12 +10,9 @@ use std::time::Instant;
 use super::judge::Judge;
 use super::select::cell_selected;
 use super::{Cell, Progress, Resolved, RunOptions, blanket_rows, each_cell, encode_all, encoded_ids, unencoded_rows};
-use crate::compare;
-use crate::engine::{self, Dirs, EnginePath};
-use crate::error::Result;
-use crate::model::Model;
-use crate::report::{CheckpointReport, CheckpointStatus, Phase, Row, finite, row_id};
-use crate::scenario::{self, CaseOutput, ForcedSeq, Outcome, Selector, Setup};
+use crate::engine::{Dirs, Engine, EnginePath};
+use crate::report::{CheckpointReport, CheckpointStatus, Phase, Row, row_id};
+use crate::scenario::{self, CaseOutput, Outcome, Selector, Setup};
 use crate::vocab::{EngineSpec, Prompt, Verdict};
 
 pub(super) fn run(
@@ -45,22 +42,17 @@ pub(super) fn run(
         report.reason = Some(why.clone());
         blanket_rows(suite, spec, cells.iter().copied(), r.filter, Verdict::Error, &why)
     };
-    let model = if spec.engine.needs_builtin() {
-        match Model::load(&r.dir, config.clone(), spec.dtype.resolve(), spec.dequantize) {
-            Ok(m) => Some(m),
-            Err(e) => return error(report, e.to_string()),
-        }
-    } else {
-        None
+    let suite_dir = suite.dir();
+    let engine = match Engine::load(spec, Dirs { checkpoint: &r.dir, suite_dir: &suite_dir }, config) {
+        Ok(e) => e,
+        Err(e) => return error(report, e.to_string()),
     };
     report.phases.push(Phase { name: "load".into(), seconds: r.loading.elapsed().as_secs_f64() });
 
     // The reference path first (nothing can be judged without it), then every path a cell
     // needs. A path that cannot start fails its own rows only.
     let t = Instant::now();
-    let suite_dir = suite.dir();
-    let dirs = Dirs { checkpoint: &r.dir, suite_dir: &suite_dir };
-    let open = |name: Option<&str>| engine::open(spec, name, model.as_ref(), dirs);
+    let open = |name: Option<&str>| engine.open(name);
     let mut reference = match open(None) {
         Ok(p) => p,
         Err(e) => return error(report, format!("reference path {}: {e}", spec.engine.reference().describe())),
@@ -92,7 +84,6 @@ pub(super) fn run(
         }
     }
     let mut setup = Setup::new(reference.as_mut(), spec.settings.clone(), opts.faults, pad);
-    let mut floors: BTreeMap<String, Option<f32>> = BTreeMap::new();
     let rows = each_cell(cells.iter().copied(), r.filter, progress, &mut report.phases, |cell, _| {
         let mut rows = unencoded_rows(r, cell, &prompts);
         let good: Vec<Prompt> = cell.prompts.iter().filter_map(|p| prompts[p].as_ref().ok().cloned()).collect();
@@ -110,14 +101,14 @@ pub(super) fn run(
             Some(Ok(path)) => {
                 let info = path.info().clone();
                 for c in scenario::run(cell.scenario, &mut setup, path.as_mut(), &good) {
-                    let floor = floor_for(&mut setup, &mut floors, &c.prompt.name, &all);
-                    rows.push(judge.steps(&c, &mut setup, floor, &info));
+                    let floor = setup.noise_floor(&c.prompt.name, &all);
+                    rows.push(judge.steps(&c, floor, &info));
                 }
             }
             Some(Err(why)) => {
                 let why = format!("path {} did not start: {why}", cell.path);
                 for c in CaseOutput::for_every_prompt(&good, Outcome::NotRun(why)) {
-                    rows.push(judge.steps(&c, &mut setup, None, &reference_info));
+                    rows.push(judge.steps(&c, None, &reference_info));
                 }
             }
             None => {}
@@ -125,48 +116,6 @@ pub(super) fn run(
         setup.select(None);
         rows
     });
-    report.noise_floor = floors;
+    report.noise_floor = setup.noise_floors().clone();
     rows
-}
-
-/// The noise floor of a row's base prompt (`p` of `p/shared7`), measured once per prompt.
-fn floor_for(
-    setup: &mut Setup,
-    floors: &mut BTreeMap<String, Option<f32>>,
-    prompt: &str,
-    all: &[Prompt],
-) -> Option<f32> {
-    let base = prompt.split('/').next().unwrap_or(prompt);
-    if let Some(f) = floors.get(base) {
-        return *f;
-    }
-    let p = all.iter().find(|p| p.name == base)?;
-    // A measurement aid: if it cannot be taken, the floor is unknown (null), not a failure.
-    let floor = noise_floor(setup, p, all).ok().flatten();
-    floors.insert(base.to_string(), floor);
-    floor
-}
-
-/// The reference re-run in a different batch composition (as row 1 of a batch of two on the
-/// reference path, next to another prompt): how far apart two correct runs are on this machine.
-fn noise_floor(setup: &mut Setup, p: &Prompt, all: &[Prompt]) -> Result<Option<f32>> {
-    let partner = all
-        .iter()
-        .find(|q| q.ids != p.ids)
-        .cloned()
-        .unwrap_or_else(|| Prompt { name: "reversed".into(), ids: p.ids.iter().rev().copied().collect() });
-    let (reference, partner_ref) = (setup.reference(&p.ids)?, setup.reference(&partner.ids)?);
-    let steps = setup.settings.max_tokens;
-    let info = setup.reference_info().clone();
-    if info.capabilities.max_batch.is_some_and(|m| m < 2) {
-        return Ok(None);
-    }
-    let mut s = setup.reference_session()?;
-    let mut lives =
-        [ForcedSeq::new(s.create(0)?, &partner_ref, steps), ForcedSeq::new(s.create(0)?, &reference, steps)];
-    scenario::prefill(s.as_mut(), &mut lives[0], &partner.ids)?;
-    scenario::prefill(s.as_mut(), &mut lives[1], &p.ids)?;
-    scenario::decode_all(s.as_mut(), &mut lives)?;
-    let cmp = compare::compare(&reference, &lives[1].trace, info.dtype, f32::INFINITY)?;
-    Ok(finite(cmp.max_rel_rms))
 }

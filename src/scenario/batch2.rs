@@ -22,7 +22,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
                 prefill(s.as_mut(), live, &p.ids)?;
             }
             decode_all(s.as_mut(), &mut lives)?;
-            Ok(vec![case(s.as_mut(), "same", p, lives.into_iter().map(|l| l.trace).collect())?])
+            Ok(vec![case(s.as_mut(), "same", p, &reference, lives.into_iter().map(|l| l.trace).collect())?])
         });
 
         if let Some(j) = ragged_partner(prompts, i) {
@@ -38,7 +38,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
                 prefill(s.as_mut(), &mut lives[1], &p.ids)?;
                 decode_all(s.as_mut(), &mut lives)?;
                 let [_, mine] = lives;
-                let mut c = case(s.as_mut(), "ragged", p, vec![mine.trace])?;
+                let mut c = case(s.as_mut(), "ragged", p, &reference, vec![mine.trace])?;
                 c.notes.push(format!("row 0: {} ({} tokens)", other.name, other.ids.len()));
                 Ok(vec![c])
             });

@@ -29,7 +29,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
             let mut lives = [live];
             decode_all(s.as_mut(), &mut lives)?;
             let [live] = lives;
-            let mut out_case = case(s.as_mut(), name.clone(), p, vec![live.trace])?;
+            let mut out_case = case(s.as_mut(), name.clone(), p, &reference, vec![live.trace])?;
             let sizes: Vec<String> = chunks.iter().map(|ch| ch.len().to_string()).collect();
             out_case.notes.push(format!("chunks {}", sizes.join("+")));
             Ok(vec![out_case])

@@ -76,7 +76,8 @@ fn schedule(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) ->
     finished
         .into_iter()
         .map(|r| {
-            let mut c = case(session.as_mut(), format!("req{}", r.index), &r.prompt, vec![r.live.trace])?;
+            let mut c =
+                case(session.as_mut(), format!("req{}", r.index), &r.prompt, &references[r.index], vec![r.live.trace])?;
             c.notes.push(format!(
                 "arrived step {}, joined step {}, {} steps, peak batch {peak_batch}",
                 r.arrival,

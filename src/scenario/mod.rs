@@ -21,12 +21,12 @@ pub mod requests;
 pub mod rollback;
 pub mod single;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use mlx_rs::Array;
 
 use crate::array::{greedy, require_finite, rows};
-use crate::engine::{self, EnginePath, PathInfo, Session};
+use crate::engine::{self, EnginePath, Session};
 use crate::error::{Error, Result};
 use crate::faults::Faults;
 use crate::kv::{KvStats, SeqId};
@@ -63,7 +63,7 @@ fn absent(sc: Scenario, prompts: &[Prompt]) -> Vec<CaseOutput> {
     for (i, p) in prompts.iter().enumerate() {
         let unpaired = ragged_partner(prompts, i).is_none();
         let why = || format!("no prompt of another length than {} tokens to pair with", p.ids.len());
-        let skip = |case: &str, why: String| CaseOutput::new(case, p, Vec::new(), Outcome::Skipped(why));
+        let skip = |case: &str, why: String| CaseOutput::new(case, p, Sequences::default(), Outcome::Skipped(why));
         match sc {
             Scenario::Batch2 if unpaired => out.push(skip("ragged", why())),
             Scenario::Padded if unpaired => out.push(skip("batch-right", why())),
@@ -95,12 +95,11 @@ pub enum Outcome {
     NotRun(String),
 }
 
-/// The outcome of one case of a scenario on one path: what it measured for one row. `M` is
-/// what its kind of engine shows: each sequence's trace for a stepped path (the sequences that
-/// share a prompt, e.g. both rows of a same-prompt batch), each measured request's answer for
-/// a server ([`requests::Answers`]).
+/// The outcome of one case of a scenario on one path: what it measured for one row, and what
+/// that is compared with. `M` is what its kind of engine shows: the traces of a stepped path
+/// ([`Sequences`]), or each measured request's answer from a server ([`requests::Answers`]).
 #[derive(Debug, Clone)]
-pub struct CaseOutput<M = Vec<PathTrace>> {
+pub struct CaseOutput<M = Sequences> {
     /// e.g. `same`, `ragged`, `req3`, `tile`, `while-running`.
     pub case: String,
     /// The prompt the row is named after and its reference is computed for.
@@ -114,6 +113,14 @@ pub struct CaseOutput<M = Vec<PathTrace>> {
     /// The KV store's books when the case ended ([`Session::audit`]): a leak or refcount
     /// mismatch, naming the blocks, fails the row even when every token matches.
     pub audit: Option<String>,
+}
+
+/// What a stepped case measured: the sequences that share its prompt (e.g. both rows of a
+/// same-prompt batch) and the reference trace of that prompt they are each compared with.
+#[derive(Debug, Clone, Default)]
+pub struct Sequences {
+    pub reference: Trace,
+    pub paths: Vec<PathTrace>,
 }
 
 impl<M> CaseOutput<M> {
@@ -145,7 +152,7 @@ impl CaseOutput {
     /// One `*` case per prompt with the same outcome and nothing computed: a scenario that
     /// could not run at all still gives every prompt a row saying why.
     pub fn for_every_prompt(prompts: &[Prompt], outcome: Outcome) -> Vec<CaseOutput> {
-        prompts.iter().map(|p| CaseOutput::new("*", p, Vec::new(), outcome.clone())).collect()
+        prompts.iter().map(|p| CaseOutput::new("*", p, Sequences::default(), outcome.clone())).collect()
     }
 }
 
@@ -160,6 +167,9 @@ pub struct Setup<'r> {
     pub pad_token: u32,
     reference: &'r mut dyn EnginePath,
     references: HashMap<Vec<u32>, Trace>,
+    /// Per base prompt, how far apart two correct runs of the reference are (`None`: not
+    /// measurable).
+    floors: BTreeMap<String, Option<f32>>,
     /// The rows (prompt name, case) this run wants; `None`: all of them.
     select: Option<Selector<'r>>,
 }
@@ -170,7 +180,15 @@ pub type Selector<'r> = Box<dyn Fn(&str, &str) -> bool + 'r>;
 impl<'r> Setup<'r> {
     /// Scenarios run with `faults` planted in the paths they drive; references never do.
     pub fn new(reference: &'r mut dyn EnginePath, settings: Settings, faults: Faults, pad_token: u32) -> Self {
-        Setup { settings, faults, pad_token, reference, references: HashMap::new(), select: None }
+        Setup {
+            settings,
+            faults,
+            pad_token,
+            reference,
+            references: HashMap::new(),
+            floors: BTreeMap::new(),
+            select: None,
+        }
     }
 
     /// Run only the cases producing rows `select` wants (each scenario still sees every
@@ -182,11 +200,6 @@ impl<'r> Setup<'r> {
 
     pub fn wants(&self, prompt: &str, case: &str) -> bool {
         self.select.as_ref().is_none_or(|f| f(prompt, case))
-    }
-
-    /// The reference path (engine, dtype, capabilities), as reports name it.
-    pub fn reference_info(&self) -> &PathInfo {
-        self.reference.info()
     }
 
     /// The reference for `prompt`: the reference path, one sequence, unpadded, greedy.
@@ -208,9 +221,46 @@ impl<'r> Setup<'r> {
         Ok(trace)
     }
 
-    /// A fault-free session of the reference path (the noise floor re-runs it batched).
-    pub fn reference_session(&mut self) -> Result<Box<dyn Session + '_>> {
-        self.reference.session(Faults::NONE)
+    /// The noise floor of a row's base prompt (`p` of `p/shared7`), measured once per prompt:
+    /// the reference re-run in a different batch composition (as row 1 of a batch of two,
+    /// next to another of `all`), how far apart two correct runs are on this machine. A
+    /// measurement aid: when it cannot be taken it is unknown (`None`), not a failure.
+    pub fn noise_floor(&mut self, prompt: &str, all: &[Prompt]) -> Option<f32> {
+        let base = prompt.split('/').next().unwrap_or(prompt);
+        if let Some(f) = self.floors.get(base) {
+            return *f;
+        }
+        let p = all.iter().find(|p| p.name == base)?;
+        let floor = self.measure_floor(p, all).ok().flatten();
+        self.floors.insert(base.to_string(), floor);
+        floor
+    }
+
+    /// Every noise floor measured so far, by base prompt.
+    pub fn noise_floors(&self) -> &BTreeMap<String, Option<f32>> {
+        &self.floors
+    }
+
+    fn measure_floor(&mut self, p: &Prompt, all: &[Prompt]) -> Result<Option<f32>> {
+        let partner = all
+            .iter()
+            .find(|q| q.ids != p.ids)
+            .cloned()
+            .unwrap_or_else(|| Prompt { name: "reversed".into(), ids: p.ids.iter().rev().copied().collect() });
+        let (reference, partner_ref) = (self.reference(&p.ids)?, self.reference(&partner.ids)?);
+        let steps = self.settings.max_tokens;
+        let info = self.reference.info().clone();
+        if info.capabilities.max_batch.is_some_and(|m| m < 2) {
+            return Ok(None);
+        }
+        let mut s = self.reference.session(Faults::NONE)?;
+        let mut lives =
+            [ForcedSeq::new(s.create(0)?, &partner_ref, steps), ForcedSeq::new(s.create(0)?, &reference, steps)];
+        prefill(s.as_mut(), &mut lives[0], &partner.ids)?;
+        prefill(s.as_mut(), &mut lives[1], &p.ids)?;
+        decode_all(s.as_mut(), &mut lives)?;
+        let cmp = crate::compare::compare(&reference, &lives[1].trace, info.dtype, f32::INFINITY)?;
+        Ok(crate::compare::finite(cmp.max_rel_rms))
     }
 }
 
@@ -358,7 +408,7 @@ pub fn attempt<'r>(
     }
     match f(setup) {
         Ok(mut cases) => out.append(&mut cases),
-        Err(e) => out.push(CaseOutput::new(case, prompt, Vec::new(), Outcome::of(e))),
+        Err(e) => out.push(CaseOutput::new(case, prompt, Sequences::default(), Outcome::of(e))),
     }
 }
 
@@ -369,13 +419,16 @@ pub fn ragged_partner(prompts: &[Prompt], i: usize) -> Option<usize> {
     (1..n).map(|k| (i + k) % n).find(|&j| prompts[j].ids.len() != prompts[i].ids.len())
 }
 
-/// A case's output, with the memory its KV store held at the end (peak included).
+/// A case's output: the traces of its sequences for `prompt`, the reference they are compared
+/// with, and the memory its KV store held at the end (peak included).
 pub fn case(
     s: &mut dyn Session,
     case: impl Into<String>,
     prompt: &Prompt,
+    reference: &Trace,
     paths: Vec<PathTrace>,
 ) -> Result<CaseOutput> {
     let audit = s.audit()?;
-    Ok(CaseOutput { kv: s.stats()?, audit, ..CaseOutput::new(case, prompt, paths, Outcome::Ran) })
+    let measured = Sequences { reference: reference.clone(), paths };
+    Ok(CaseOutput { kv: s.stats()?, audit, ..CaseOutput::new(case, prompt, measured, Outcome::Ran) })
 }

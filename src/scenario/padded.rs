@@ -43,7 +43,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
             let mut lives = [live];
             decode_all(s.as_mut(), &mut lives)?;
             let [live] = lives;
-            let mut c = case(s.as_mut(), "tile", p, vec![live.trace])?;
+            let mut c = case(s.as_mut(), "tile", p, &reference, vec![live.trace])?;
             c.notes.push(format!("padded {n} -> {t}, trimmed {}", t - n));
             Ok(vec![c])
         });
@@ -81,7 +81,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
                 }
                 decode_all(s.as_mut(), &mut lives)?;
                 let [mine, _] = lives;
-                let mut c = case(s.as_mut(), "batch-right", p, vec![mine.trace])?;
+                let mut c = case(s.as_mut(), "batch-right", p, &reference, vec![mine.trace])?;
                 c.notes.push(format!(
                     "rows {n} and {} padded to {t}, trimmed {} and {}",
                     other.ids.len(),
@@ -128,7 +128,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
             }
             decode_all(s.as_mut(), &mut lives)?;
             let [mine, _] = lives;
-            let mut c = case(s.as_mut(), "batch-left", p, vec![mine.trace])?;
+            let mut c = case(s.as_mut(), "batch-left", p, &reference, vec![mine.trace])?;
             c.notes.push(format!("{masked} left pads (masked), {n} real, {} right pads trimmed", t - l));
             Ok(vec![c])
         });

@@ -57,7 +57,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
             let mut lives = [adopter];
             decode_all(s.as_mut(), &mut lives)?;
             let [adopter] = lives;
-            let mut c = case(s.as_mut(), "after-finish", &derived, vec![adopter.trace])?;
+            let mut c = case(s.as_mut(), "after-finish", &derived, &adopter_ref, vec![adopter.trace])?;
             c.notes.push(note(mode, &name, share, &derived));
             Ok(vec![c])
         });
@@ -81,9 +81,9 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
             decode_all(s.as_mut(), &mut lives)?;
             let [donor, adopter] = lives;
             let notes = note(mode, &name, share, &derived);
-            let mut c = case(s.as_mut(), "while-running", p, vec![donor.trace])?;
+            let mut c = case(s.as_mut(), "while-running", p, &donor_ref, vec![donor.trace])?;
             c.notes.push(notes.clone());
-            let mut d = case(s.as_mut(), "while-running/adopter", &derived, vec![adopter.trace])?;
+            let mut d = case(s.as_mut(), "while-running/adopter", &derived, &adopter_ref, vec![adopter.trace])?;
             d.notes.push(notes);
             Ok(vec![c, d])
         });

@@ -205,18 +205,20 @@ pub struct Answers {
     pub server_ended: Option<String>,
 }
 
-/// One measured request and what came back.
+/// One measured request, what came back, and the reference it is compared with (`None`: no
+/// reference was computed for its prompt).
 #[derive(Debug, Clone)]
 pub struct Answer {
     /// Its index in the schedule (a divergence's batch row).
     pub index: usize,
     pub request: CompletionRequest,
     pub result: Result<Completion, RequestError>,
+    pub reference: Option<Result<Completion, String>>,
 }
 
-/// Run `schedules` in order on one path: each row plan becomes a case. Once the server has
-/// died, later schedules are not sent; their cases say why.
-pub fn run(schedules: &[Schedule], path: &mut dyn RequestPath) -> Vec<CaseOutput<Answers>> {
+/// Run `schedules` in order on one path: each row plan becomes a case, its answers beside their
+/// `references`. Once the server has died, later schedules are not sent; their cases say why.
+pub fn run(schedules: &[Schedule], path: &mut dyn RequestPath, references: &References) -> Vec<CaseOutput<Answers>> {
     let mut out = Vec::new();
     let mut dead: Option<String> = None;
     for s in schedules {
@@ -235,7 +237,12 @@ pub fn run(schedules: &[Schedule], path: &mut dyn RequestPath) -> Vec<CaseOutput
             let requests = r
                 .measured
                 .iter()
-                .map(|&m| Answer { index: m, request: s.requests[m].clone(), result: answers[m].clone() })
+                .map(|&m| Answer {
+                    index: m,
+                    request: s.requests[m].clone(),
+                    result: answers[m].clone(),
+                    reference: references.get(&s.requests[m].ids).cloned(),
+                })
                 .collect();
             let measured = Answers { requests, sent: s.requests.len(), server_ended: ended.clone() };
             out.push(CaseOutput {

@@ -30,7 +30,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
                 }
                 decode_step(s.as_mut(), &mut [&mut live])?;
             }
-            let mut c = case(s.as_mut(), name.clone(), p, vec![live.trace])?;
+            let mut c = case(s.as_mut(), name.clone(), p, &reference, vec![live.trace])?;
             c.notes.push(format!("{rollbacks} rollbacks of {k} rows"));
             Ok(vec![c])
         });

@@ -15,7 +15,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
             let mut lives = [live];
             decode_all(s.as_mut(), &mut lives)?;
             let [live] = lives;
-            Ok(vec![case(s.as_mut(), "plain", p, vec![live.trace])?])
+            Ok(vec![case(s.as_mut(), "plain", p, &reference, vec![live.trace])?])
         });
     }
     out
