@@ -365,6 +365,23 @@ mod tests {
         assert_eq!(c.verdict, Verdict::Diverged);
     }
 
+    /// The length rule that used to be computed here and then recomputed by the caller: a
+    /// request that stops short of what it was asked for, every shared step agreeing, has
+    /// diverged; one asked for fewer tokens than the reference (`concurrent` staggers lengths)
+    /// has not.
+    #[test]
+    fn stopping_short_of_what_was_asked_diverges_and_asking_for_less_does_not() {
+        let r = trace(&[&[(5, -0.1)], &[(9, -0.2)], &[(3, -0.3)]]);
+        let short = trace(&[&[(5, -0.1)], &[(9, -0.2)]]);
+        let c = compare_logprobs(&r, &short, 1e-3, 3);
+        assert_eq!((c.verdict, c.length_mismatch), (Verdict::Diverged, Some((3, 2))));
+        let c = compare_logprobs(&r, &short, 1e-3, 2);
+        assert_eq!((c.verdict, c.length_mismatch), (Verdict::Identical, None));
+        // Running on where the reference stopped early (it was asked for more) diverges too.
+        let c = compare_logprobs(&short, &r, 1e-3, 3);
+        assert_eq!((c.verdict, c.length_mismatch), (Verdict::Diverged, Some((2, 3))));
+    }
+
     #[test]
     fn the_first_difference_is_found_in_values_and_in_membership() {
         let r = trace(&[&[(5, -0.1), (7, -2.5)], &[(9, -0.01), (5, -5.0)]]);

@@ -53,7 +53,7 @@ impl SelftestReport {
     }
 }
 
-/// The scenarios whose cases run the code path `fault` breaks (README, "Planted regressions").
+/// The scenarios whose cases run the code path `fault` breaks (docs/selftest.md).
 /// A selftest narrowed to other scenarios cannot catch it, so it is skipped and named rather
 /// than reported as missed: a harness that cries "missed" for a fault it could never see
 /// teaches people to ignore misses. `tests/selftest.rs` checks this list against what the full

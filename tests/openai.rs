@@ -94,6 +94,26 @@ fn tag(name: &str) -> String {
     format!("parity-openai-{name}-{}", std::process::id())
 }
 
+/// Was: under `--filter`, a server run reported every row of a schedule that held a selected
+/// row (all of `concurrent`'s requests for `req1`, both of `repeat`'s for `cached`), so an
+/// unselected failing row could decide a bisect step. The filter now narrows a server's rows
+/// exactly as it does a stepped engine's.
+#[test]
+fn a_filter_selects_exactly_the_named_rows_of_a_schedule() {
+    let t = tag("filter");
+    let file = suite(&t, "", "", &[("sequential", ""), ("batched", "")]);
+    common::cpu();
+    let suite = parity::load_suite(&file).unwrap_or_else(|e| panic!("{e}"));
+    for (filter, scenario) in
+        [("tiny/longer/concurrent:req1/batched", Scenario::Concurrent), ("repeat:cached/", Scenario::Repeat)]
+    {
+        let opts = RunOptions { filter: Some(filter.into()), scenarios: Some(vec![scenario]), ..RunOptions::default() };
+        let report = run_suite(&suite, &opts, &NoProgress);
+        let ids: Vec<String> = report.rows.iter().map(|r| r.id()).collect();
+        assert!(!ids.is_empty() && ids.iter().all(|id| id.contains(filter)), "{filter}: {ids:?}");
+    }
+}
+
 #[test]
 fn a_correct_server_passes_every_request_level_scenario() {
     let t = tag("ok");

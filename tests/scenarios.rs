@@ -56,10 +56,15 @@ fn every_scenario_matches_the_reference_on_every_path() {
                 assert!(!cases.is_empty(), "{} produced no cases", sc.name());
                 for c in cases {
                     assert_eq!(c.outcome, Outcome::Ran, "{fixture} {} {} {}", sc.name(), c.case, p.name());
-                    let reference = h.reference(&c.prompt.ids).unwrap();
-                    for (row, path) in c.measured.iter().enumerate() {
+                    let reference = &c.measured.reference;
+                    assert_eq!(
+                        reference.tokens,
+                        h.reference(&c.prompt.ids).unwrap().tokens,
+                        "the case's own reference"
+                    );
+                    for (row, path) in c.measured.paths.iter().enumerate() {
                         assert!(!path.tokens.is_empty());
-                        let cmp = parity::compare(&reference, path, DtypeName::Float32, 1e-3).unwrap();
+                        let cmp = parity::compare(reference, path, DtypeName::Float32, 1e-3).unwrap();
                         let what =
                             format!("{fixture} {} {} {} {} row {row}", sc.name(), c.case, c.prompt.name, p.name());
                         assert!(
@@ -95,10 +100,10 @@ fn bfloat16_and_native_dtypes_run_and_agree() {
             let mut path = Builtin::new(&model, Backend::Paged, &settings());
             for c in parity::run_scenario(sc, &mut h, &mut path, &prompts) {
                 assert_eq!(c.outcome, Outcome::Ran);
-                let reference = h.reference(&c.prompt.ids).unwrap();
+                let reference = &c.measured.reference;
                 assert_eq!(reference.logits[0].dtype(), mlx_rs::Dtype::Bfloat16);
-                for path in &c.measured {
-                    let cmp = parity::compare(&reference, path, expected, 2e-2).unwrap();
+                for path in &c.measured.paths {
+                    let cmp = parity::compare(reference, path, expected, 2e-2).unwrap();
                     assert!(
                         matches!(cmp.verdict, Verdict::Identical | Verdict::NearTie),
                         "{} {}: {:?}",

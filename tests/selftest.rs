@@ -19,7 +19,7 @@ fn every_fault_is_caught_on_the_llama_fixture_and_the_clean_run_passes() {
     let undetected: Vec<&str> = report.faults.iter().filter(|f| !f.caught).map(|f| f.fault.as_str()).collect();
     assert!(undetected.is_empty(), "undetected: {undetected:?}\n{}", selftest::render(&report));
     assert!(report.ok());
-    // Each fault is caught where README says it is.
+    // Each fault is caught where docs/selftest.md says it is.
     let caught_by = |fault: &str, scenario: &str| {
         report
             .faults
