@@ -52,15 +52,14 @@ pub(super) fn run(
     // The reference path first (nothing can be judged without it), then every path a cell
     // needs. A path that cannot start fails its own rows only.
     let t = Instant::now();
-    let open = |name: Option<&str>| engine.open(name);
-    let mut reference = match open(None) {
+    let mut reference = match engine.open(None) {
         Ok(p) => p,
         Err(e) => return error(report, format!("reference path {}: {e}", spec.engine.reference().describe())),
     };
     let mut paths: BTreeMap<String, std::result::Result<Box<dyn EnginePath + '_>, String>> = BTreeMap::new();
     for c in &cells {
         if !paths.contains_key(&c.path) {
-            paths.insert(c.path.clone(), open(Some(&c.path)).map_err(|e| e.to_string()));
+            paths.insert(c.path.clone(), engine.open(Some(&c.path)).map_err(|e| e.to_string()));
         }
     }
     if !matches!(spec.engine, EngineSpec::Builtin) {
