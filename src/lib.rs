@@ -42,6 +42,7 @@ pub mod model;
 mod names;
 mod proc;
 pub mod report;
+mod rng;
 mod run;
 mod scenario;
 pub mod selftest;
@@ -65,7 +66,7 @@ pub use environment::{DeviceChoice, blas, use_device};
 
 // One scenario on one path against its reference, compared by hand.
 pub use compare::{Choice, FirstDifference, LogprobComparison, PathComparison, StepMetrics, compare, compare_logprobs};
-pub use scenario::{CaseOutput, Outcome, Sequences, Setup, run as run_scenario};
+pub use scenario::{CaseOutput, Decoded, Outcome, Sequences, Setup, run as run_scenario};
 
 /// mlx-rs seeds its random state with macOS's `mach_approximate_time`; the symbol does not exist
 /// off Apple platforms and the link fails without it. parity never relies on MLX's random state

@@ -56,13 +56,10 @@ fn every_scenario_matches_the_reference_on_every_path() {
                 assert!(!cases.is_empty(), "{} produced no cases", sc.name());
                 for c in cases {
                     assert_eq!(c.outcome, Outcome::Ran, "{fixture} {} {} {}", sc.name(), c.case, p.name());
-                    let reference = &c.measured.reference;
-                    assert_eq!(
-                        reference.tokens,
-                        h.reference(&c.prompt.ids).unwrap().tokens,
-                        "the case's own reference"
-                    );
-                    for (row, path) in c.measured.paths.iter().enumerate() {
+                    for (row, d) in c.measured.iter().enumerate() {
+                        let (reference, path) = (&d.reference, &d.trace);
+                        let own = h.reference(&c.prompt.ids).unwrap();
+                        assert_eq!(reference.tokens, own.tokens, "the case's own reference");
                         assert!(!path.tokens.is_empty());
                         let cmp = parity::compare(reference, path, DtypeName::Float32, 1e-3).unwrap();
                         let what =
@@ -100,10 +97,9 @@ fn bfloat16_and_native_dtypes_run_and_agree() {
             let mut path = Builtin::new(&model, Backend::Paged, &settings());
             for c in parity::run_scenario(sc, &mut h, &mut path, &prompts) {
                 assert_eq!(c.outcome, Outcome::Ran);
-                let reference = &c.measured.reference;
-                assert_eq!(reference.logits[0].dtype(), mlx_rs::Dtype::Bfloat16);
-                for path in &c.measured.paths {
-                    let cmp = parity::compare(reference, path, expected, 2e-2).unwrap();
+                for d in &c.measured {
+                    assert_eq!(d.reference.logits[0].dtype(), mlx_rs::Dtype::Bfloat16);
+                    let cmp = parity::compare(&d.reference, &d.trace, expected, 2e-2).unwrap();
                     assert!(
                         matches!(cmp.verdict, Verdict::Identical | Verdict::NearTie),
                         "{} {}: {:?}",

@@ -14,6 +14,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::error::{Error, Result};
+use crate::rng::{Rng, hash};
 
 /// Bump when the generator's output changes for the same spec.
 const GENERATOR_VERSION: u32 = 3;
@@ -86,7 +87,7 @@ pub fn materialize(spec_path: &Path) -> Result<PathBuf> {
     let spec: FixtureSpec = toml::from_str(&text).map_err(|e| Error::config(spec_path, e.to_string()))?;
     validate(&spec, spec_path)?;
     let stem = spec_path.file_stem().and_then(|s| s.to_str()).unwrap_or("fixture");
-    let hash = fnv1a(format!("{GENERATOR_VERSION}\n{text}").as_bytes());
+    let hash = hash(format!("{GENERATOR_VERSION}\n{text}").as_bytes());
     let base = spec_path.parent().unwrap_or(Path::new(".")).join(".generated");
     let dir = base.join(format!("{stem}-{hash:016x}"));
     if dir.join("config.json").is_file() {
@@ -132,31 +133,9 @@ fn validate(s: &FixtureSpec, file: &Path) -> Result<()> {
     Ok(())
 }
 
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
-}
-
-/// splitmix64: tiny, seedable, identical everywhere.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
-        z ^ (z >> 31)
-    }
-
-    /// Approximately N(0, 1): the sum of four uniforms, centred and scaled (Irwin-Hall).
-    fn normal(&mut self) -> f32 {
-        let sum: f64 = (0..4).map(|_| (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64).sum();
-        ((sum - 2.0) * 3f64.sqrt()) as f32
-    }
-
-    fn tensor(&mut self, n: usize, std: f64) -> Vec<f32> {
-        (0..n).map(|_| self.normal() * std as f32).collect()
-    }
+/// `n` values of N(0, `std`).
+fn tensor(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
+    (0..n).map(|_| rng.normal() * std as f32).collect()
 }
 
 struct Tensor {
@@ -228,7 +207,7 @@ impl Writer<'_> {
 }
 
 fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
-    let mut rng = Rng(spec.seed);
+    let mut rng = Rng::new(spec.seed);
     let mut w = Writer { spec, tensors: BTreeMap::new() };
     let (h, v, i) = (spec.hidden_size, spec.vocab_size, spec.intermediate_size);
     let (nh, nkv, d) = (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim);
@@ -238,7 +217,7 @@ fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
     // last input token. Small embeddings let the (context-dependent) residual branches decide.
     // The final norm's gain then restores a logit spread of about `logit_scale`.
     let embed_std = if spec.tie_word_embeddings { 0.1 } else { 1.0 };
-    let embed = rng.tensor(v * h, embed_std);
+    let embed = tensor(&mut rng, v * h, embed_std);
     w.matrix("model.embed_tokens", v, h, &embed);
     let norm = |rng: &mut Rng, n: usize| -> Vec<f32> { (0..n).map(|_| 1.0 + 0.1 * rng.normal()).collect() };
     for l in 0..spec.num_hidden_layers {
@@ -256,7 +235,7 @@ fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
             ("v_proj", nkv * d, h, 1.0),
             ("o_proj", h, nh * d, 3.0),
         ] {
-            let x = rng.tensor(rows * cols, gain * inv(cols));
+            let x = tensor(&mut rng, rows * cols, gain * inv(cols));
             w.matrix(&format!("{p}.self_attn.{name}"), rows, cols, &x);
         }
         if spec.model_type == "qwen3" {
@@ -266,7 +245,7 @@ fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
             w.float(&format!("{p}.self_attn.k_norm.weight"), &[d], &x);
         }
         for (name, rows, cols, gain) in [("gate_proj", i, h, 1.0), ("up_proj", i, h, 1.0), ("down_proj", h, i, 3.0)] {
-            let x = rng.tensor(rows * cols, gain * inv(cols));
+            let x = tensor(&mut rng, rows * cols, gain * inv(cols));
             w.matrix(&format!("{p}.mlp.{name}"), rows, cols, &x);
         }
     }
@@ -274,7 +253,7 @@ fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
     let x: Vec<f32> = norm(&mut rng, h).into_iter().map(|x| x * gain as f32).collect();
     w.float("model.norm.weight", &[h], &x);
     if !spec.tie_word_embeddings {
-        let x = rng.tensor(v * h, spec.logit_scale * inv(h));
+        let x = tensor(&mut rng, v * h, spec.logit_scale * inv(h));
         w.matrix("lm_head", v, h, &x);
     }
 

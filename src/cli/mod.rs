@@ -3,6 +3,7 @@
 
 mod adapter;
 mod bench;
+mod explore;
 mod generate;
 mod inspect;
 mod merge;
@@ -91,6 +92,8 @@ enum Command {
     Inspect(inspect::Args),
     /// Run a suite: every scenario on every path against the reference path.
     Run(run::Args),
+    /// Random schedules on every path against the reference, failures shrunk to a script.
+    Explore(explore::Args),
     /// Show pending snapshot changes as diffs (exits 0: reviewing is reading).
     Review(review::Args),
     /// Accept pending snapshot changes (all, or `--only NAME`).
@@ -121,6 +124,7 @@ pub fn main() -> ExitCode {
     let device = match &cli.command {
         Command::Generate(a) => Some(a.device),
         Command::Run(a) => Some(a.common.device),
+        Command::Explore(a) => Some(a.common.device),
         Command::Selftest(a) => Some(a.common.device),
         Command::Bench(a) => Some(a.device),
         Command::Adapter(a) => Some(a.device),
@@ -138,6 +142,7 @@ pub fn main() -> ExitCode {
         Command::Generate(a) => generate::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Run(a) => run::run(a),
+        Command::Explore(a) => explore::run(a),
         Command::Review(a) => review::review(a),
         Command::Accept(a) => review::accept(a),
         Command::Reject(a) => review::reject(a),

@@ -15,7 +15,7 @@ use crate::engine::openai::Completion;
 use crate::kv::Backend;
 use crate::report::{ApiFacts, DivergenceReport, Row, StepPlace};
 use crate::scenario::requests::Answers;
-use crate::scenario::{CaseOutput, Outcome, Sequences};
+use crate::scenario::{CaseOutput, Outcome};
 use crate::vocab::{CheckpointSpec, Scenario, Settings, StepLayout, Tolerance, Verdict, audit};
 
 /// What every row of one cell is judged against.
@@ -34,8 +34,7 @@ impl Judge<'_> {
             ControlFlow::Continue(row) => row,
             ControlFlow::Break(done) => return done,
         };
-        let Sequences { reference, paths } = &c.measured;
-        row.paths = paths.len();
+        row.paths = c.measured.len();
         row.kv = c.kv;
         row.noise_floor_rel_rms = floor;
         // A case that tested nothing of its scenario is skipped with the reason, never a pass.
@@ -46,8 +45,8 @@ impl Judge<'_> {
             return row;
         }
         let mut compared: Vec<PathComparison> = Vec::new();
-        for trace in paths {
-            match compare::compare(reference, trace, path.dtype, self.spec.tolerance.max_rel_rms) {
+        for d in &c.measured {
+            match compare::compare(&d.reference, &d.trace, path.dtype, self.spec.tolerance.max_rel_rms) {
                 Ok(cmp) => compared.push(cmp),
                 Err(e) => return fail(row, format!("comparison: {e}")),
             }
@@ -76,7 +75,7 @@ impl Judge<'_> {
         row.max_kl = finite(max_kl);
         row.step_rel_rms = step_rms.into_iter().map(finite).collect();
         row.step_kl = step_kl.into_iter().map(finite).collect();
-        let layout = &paths[w].layout;
+        let layout = &c.measured[w].trace.layout;
         row.step_layout = StepPlace::runs(layout.iter().map(|l| StepPlace {
             step: 0,
             kv_row: l.kv_row,
@@ -311,7 +310,7 @@ fn vacuous(sc: Scenario, backend: Backend, case: &CaseOutput, s: &Settings) -> O
         // Only the cases whose point is trimming right pads; batch-left always has masked pads.
         Scenario::Padded
             if matches!(case.case.as_str(), "tile" | "batch-right")
-                && case.measured.paths.iter().all(|p| p.layout.iter().all(|l| l.pads_trimmed == 0)) =>
+                && case.measured.iter().all(|d| d.trace.layout.iter().all(|l| l.pads_trimmed == 0)) =>
         {
             Some(format!("no pad rows: the {n}-token prompt fills whole tiles of {}, so nothing is trimmed", s.tile))
         }

@@ -17,6 +17,7 @@ use crate::checkpoint::{self, ModelConfig, Tokenizer};
 use crate::error::{Error, Result};
 use crate::faults::Faults;
 use crate::report::{CheckpointReport, CheckpointStatus, Phase, Report, Row, SCHEMA_VERSION, Shard, Summary};
+use crate::scenario::explore::Budget;
 use crate::vocab::{CheckpointSpec, EngineSpec, Prompt, PromptSource, PromptSpec, Scenario, Suite, Verdict};
 
 mod judge;
@@ -40,6 +41,9 @@ pub struct RunOptions {
     pub faults: Faults,
     /// Where servers under test (kind = "openai") write their logs; none: not kept.
     pub server_logs: Option<std::path::PathBuf>,
+    /// `parity explore`: random schedules on every path within this budget, instead of the
+    /// suite's scenarios.
+    pub explore: Option<Budget>,
 }
 
 /// Progress callbacks; the CLI draws bars, tests pass [`NoProgress`].
@@ -105,7 +109,8 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> R
 /// agrees on who runs what and each snapshot file comes from exactly one shard.
 fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usize) -> Vec<Cell> {
     let mut cells = Vec::new();
-    for &scenario in &spec.scenarios {
+    let scenarios = if opts.explore.is_some() { vec![Scenario::Explore] } else { spec.scenarios.clone() };
+    for scenario in scenarios {
         if opts.scenarios.as_ref().is_some_and(|s| !s.contains(&scenario)) {
             continue;
         }

@@ -9,11 +9,14 @@ use std::time::Instant;
 
 use super::judge::Judge;
 use super::select::cell_selected;
-use super::{Cell, Progress, Resolved, RunOptions, blanket_rows, each_cell, encode_all, encoded_ids, unencoded_rows};
+use super::{
+    Cell, Progress, Resolved, RunOptions, blanket_rows, cell_row, each_cell, encode_all, encoded_ids, unencoded_rows,
+};
 use crate::engine::{Dirs, Engine, EnginePath};
 use crate::report::{CheckpointReport, CheckpointStatus, Phase, Row, row_id};
+use crate::scenario::explore::{self, Budget};
 use crate::scenario::{self, CaseOutput, Outcome, Selector, Setup};
-use crate::vocab::{EngineSpec, Prompt, Verdict};
+use crate::vocab::{EngineSpec, Prompt, Scenario, Verdict};
 
 pub(super) fn run(
     r: &Resolved,
@@ -28,10 +31,17 @@ pub(super) fn run(
     report.prompt_ids = encoded_ids(&prompts);
     let pad = config.pad_token_id.or_else(|| config.eos_token_ids.first().copied()).unwrap_or(0);
     let all: Vec<Prompt> = prompts.values().filter_map(|p| p.as_ref().ok().cloned()).collect();
-    // Under a filter, only the cells with a selected row load or start anything.
+    // Under a filter, only the cells with a selected row load or start anything. Explore's
+    // rows are not known before it runs: its cell is selected by its path.
     let cells: Vec<&Cell> = match opts.filter {
         None => cells.iter().collect(),
-        Some(_) => cells.iter().filter(|c| cell_selected(r, c, &prompts, &all, pad)).collect(),
+        Some(_) => cells
+            .iter()
+            .filter(|c| match c.scenario {
+                Scenario::Explore => r.filter.selects_row(&cell_row(spec, c, "*", "*", Verdict::Identical)),
+                _ => cell_selected(r, c, &prompts, &all, pad),
+            })
+            .collect(),
     };
     if cells.is_empty() {
         return Vec::new();
@@ -83,6 +93,7 @@ pub(super) fn run(
         }
     }
     let mut setup = Setup::new(reference.as_mut(), spec.settings.clone(), opts.faults, pad);
+    setup.scripts = suite.scripts.iter().map(|s| (s.name.clone(), s.script.clone())).collect();
     let rows = each_cell(cells.iter().copied(), r.filter, progress, &mut report.phases, |cell, _| {
         let mut rows = unencoded_rows(r, cell, &prompts);
         let good: Vec<Prompt> = cell.prompts.iter().filter_map(|p| prompts[p].as_ref().ok().cloned()).collect();
@@ -97,6 +108,10 @@ pub(super) fn run(
         setup.select(select);
         let judge = Judge { spec, cell, tokenizer: &r.tokenizer };
         match paths.get_mut(&cell.path) {
+            Some(Ok(path)) if cell.scenario == Scenario::Explore => {
+                let budget = opts.explore.clone().unwrap_or_default();
+                rows.extend(explore(&mut setup, path.as_mut(), &good, &budget, &judge, config.max_position_embeddings));
+            }
             Some(Ok(path)) => {
                 let info = path.info().clone();
                 for c in scenario::run(cell.scenario, &mut setup, path.as_mut(), &good) {
@@ -117,4 +132,59 @@ pub(super) fn run(
     });
     report.noise_floor = setup.noise_floors().clone();
     rows
+}
+
+/// Explore one path within `budget`: a row per distinct failure, shrunk, with its reproducer;
+/// or one passing row with what was explored.
+fn explore(
+    setup: &mut Setup,
+    path: &mut dyn EnginePath,
+    prompts: &[Prompt],
+    budget: &Budget,
+    judge: &Judge,
+    context: usize,
+) -> Vec<Row> {
+    let info = path.info().clone();
+    let label = [judge.spec.name.as_str(), info.name.as_str()];
+    let mut fails = |c: &CaseOutput| signature(&judge.steps(c, None, &info));
+    let explored = explore::explore(setup, path, prompts, budget, context, &label, &mut fails);
+    if explored.findings.is_empty() {
+        let mut row = cell_row(judge.spec, judge.cell, "*", &format!("seed{}", budget.seed), Verdict::Identical);
+        row.pass = true;
+        row.notes.push(explore::summary(&explored));
+        return vec![row];
+    }
+    explored
+        .findings
+        .iter()
+        .map(|f| {
+            let floor = setup.noise_floor(&f.case.prompt.name, prompts);
+            let mut row = judge.steps(&f.case, floor, &info);
+            row.notes.extend(explore::notes(f, &explored));
+            row
+        })
+        .collect()
+}
+
+/// How a judged row fails, in words that stay the same while its script shrinks (no counts,
+/// no operation numbers); `None` when it passes.
+fn signature(row: &Row) -> Option<String> {
+    if row.pass || row.verdict == Verdict::Skipped {
+        return None;
+    }
+    if row.verdict != Verdict::Error {
+        let how = if row.nan {
+            " NaN"
+        } else if row.first_divergence.is_none() {
+            " over tolerance"
+        } else {
+            ""
+        };
+        return Some(format!("{}{how}", row.verdict.name()));
+    }
+    let failure = row.failure.as_deref().unwrap_or_default();
+    // `explore on paged: operation 5 `trim a 3`: trim of 3 rows ...` -> `trim of`.
+    let cause = failure.rsplit("`: ").next().unwrap_or(failure);
+    let cause = cause.split(|c: char| c.is_ascii_digit()).next().unwrap_or(cause);
+    Some(format!("error: {}", cause.trim()))
 }

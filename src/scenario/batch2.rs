@@ -13,7 +13,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
     let steps = setup.settings.max_tokens;
     for (i, p) in prompts.iter().enumerate() {
         attempt(setup, &mut out, &[(p, "same")], |setup| {
-            need_batch(path, 2)?;
+            need_batch(path.info(), 2)?;
             let reference = setup.reference(&p.ids)?;
             let mut s = path.session(setup.faults)?;
             let mut lives =
@@ -27,7 +27,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
 
         if let Some(j) = ragged_partner(prompts, i) {
             attempt(setup, &mut out, &[(p, "ragged")], |setup| {
-                need_batch(path, 2)?;
+                need_batch(path.info(), 2)?;
                 let other = &prompts[j];
                 let reference = setup.reference(&p.ids)?;
                 let other_ref = setup.reference(&other.ids)?;

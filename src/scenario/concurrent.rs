@@ -30,7 +30,7 @@ fn schedule(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) ->
     if prompts.is_empty() || s.requests == 0 || s.max_batch == 0 || s.arrivals.is_empty() {
         return Err(Error::Invalid("concurrent needs prompts, requests > 0, max_batch > 0 and arrivals".into()));
     }
-    need_batch(path, s.max_batch.min(s.requests))?;
+    need_batch(path.info(), s.max_batch.min(s.requests))?;
     let max_tokens = setup.settings.max_tokens;
     let mut references = Vec::with_capacity(s.requests);
     for j in 0..s.requests {

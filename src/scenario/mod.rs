@@ -15,23 +15,26 @@
 pub mod batch2;
 pub mod chunked;
 pub mod concurrent;
+pub mod explore;
 pub mod padded;
 pub mod prefix;
 pub mod requests;
 pub mod rollback;
+pub mod script;
 pub mod single;
 
 use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
 
 use mlx_rs::Array;
 
 use crate::array::{greedy, require_finite, rows};
-use crate::engine::{self, EnginePath, Session};
+use crate::engine::{self, EnginePath, PathInfo, Session};
 use crate::error::{Error, Result};
 use crate::faults::Faults;
 use crate::kv::{KvStats, SeqId};
 use crate::model::RowStep;
-use crate::vocab::{PathTrace, Prompt, Scenario, Settings, StepLayout, Trace};
+use crate::vocab::{PathTrace, Prompt, Scenario, Script, Settings, StepLayout, Trace};
 
 /// Every case of step-level scenario `sc` for `prompts` on `path`, then a skipped case for each
 /// case the scenario cannot form for a prompt (a row that says why, never a missing one).
@@ -46,10 +49,16 @@ pub fn run(sc: Scenario, setup: &mut Setup, path: &mut dyn EnginePath, prompts: 
         Scenario::Chunked => chunked::run(setup, path, prompts),
         Scenario::Rollback => rollback::run(setup, path, prompts),
         Scenario::Prefix => prefix::run(setup, path, prompts),
+        Scenario::Script => script::run_all(setup, path, prompts),
         // Suites refuse these on step-level engines (the parser); never silently pass.
         Scenario::Lengths | Scenario::Repeat => CaseOutput::for_every_prompt(
             prompts,
             Outcome::Failed(format!("`{}` runs on kind = \"openai\" only", sc.name())),
+        ),
+        // Explore has a budget and judges as it goes: `run` drives it, not this.
+        Scenario::Explore => CaseOutput::for_every_prompt(
+            prompts,
+            Outcome::Failed("`explore` runs from `parity explore`, through its own driver".into()),
         ),
     };
     cases.extend(absent(sc, prompts));
@@ -63,7 +72,7 @@ fn absent(sc: Scenario, prompts: &[Prompt]) -> Vec<CaseOutput> {
     for (i, p) in prompts.iter().enumerate() {
         let unpaired = ragged_partner(prompts, i).is_none();
         let why = || format!("no prompt of another length than {} tokens to pair with", p.ids.len());
-        let skip = |case: &str, why: String| CaseOutput::new(case, p, Sequences::default(), Outcome::Skipped(why));
+        let skip = |case: &str, why: String| CaseOutput::new(case, p, Vec::new(), Outcome::Skipped(why));
         match sc {
             Scenario::Batch2 if unpaired => out.push(skip("ragged", why())),
             Scenario::Padded if unpaired => out.push(skip("batch-right", why())),
@@ -115,12 +124,16 @@ pub struct CaseOutput<M = Sequences> {
     pub audit: Option<String>,
 }
 
-/// What a stepped case measured: the sequences that share its prompt (e.g. both rows of a
-/// same-prompt batch) and the reference trace of that prompt they are each compared with.
-#[derive(Debug, Clone, Default)]
-pub struct Sequences {
+/// What a stepped case measured: the sequences it decoded (e.g. both rows of a same-prompt
+/// batch), each beside the reference trace it is compared with step by step.
+pub type Sequences = Vec<Decoded>;
+
+/// One sequence a case decoded, and the reference it is compared with: step `i` of `trace`
+/// against step `i` of `reference`.
+#[derive(Debug, Clone)]
+pub struct Decoded {
     pub reference: Trace,
-    pub paths: Vec<PathTrace>,
+    pub trace: PathTrace,
 }
 
 impl<M> CaseOutput<M> {
@@ -152,7 +165,7 @@ impl CaseOutput {
     /// One `*` case per prompt with the same outcome and nothing computed: a scenario that
     /// could not run at all still gives every prompt a row saying why.
     pub fn for_every_prompt(prompts: &[Prompt], outcome: Outcome) -> Vec<CaseOutput> {
-        prompts.iter().map(|p| CaseOutput::new("*", p, Sequences::default(), outcome.clone())).collect()
+        prompts.iter().map(|p| CaseOutput::new("*", p, Vec::new(), outcome.clone())).collect()
     }
 }
 
@@ -170,8 +183,22 @@ pub struct Setup<'r> {
     /// Per base prompt, how far apart two correct runs of the reference are (`None`: not
     /// measurable).
     floors: BTreeMap<String, Option<f32>>,
+    /// Reference streams (a script's sequences), by their fixed tokens.
+    streams: HashMap<Vec<u32>, Rc<Stream>>,
     /// The rows (prompt name, case) this run wants; `None`: all of them.
     select: Option<Selector<'r>>,
+    /// The suite's pinned scripts, by name (the `script` scenario).
+    pub scripts: Vec<(String, Script)>,
+}
+
+/// A token stream as the reference reads it: fixed tokens (a prompt, or a donor's rows and a
+/// prompt) and then the reference's greedy continuation (`max_tokens` of them); at every
+/// position, the reference's logits and greedy choice having read the stream up to there.
+#[derive(Debug)]
+pub struct Stream {
+    pub tokens: Vec<u32>,
+    pub logits: Vec<Array>,
+    pub greedy: Vec<u32>,
 }
 
 /// Whether a row, named by its prompt and case, is wanted (`--filter`).
@@ -187,7 +214,9 @@ impl<'r> Setup<'r> {
             reference,
             references: HashMap::new(),
             floors: BTreeMap::new(),
+            streams: HashMap::new(),
             select: None,
+            scripts: Vec::new(),
         }
     }
 
@@ -219,6 +248,40 @@ impl<'r> Setup<'r> {
         require_finite("reference logits", &trace.logits)?;
         self.references.insert(prompt.to_vec(), trace.clone());
         Ok(trace)
+    }
+
+    /// The reference's reading of the stream that starts with `fixed`: the reference path,
+    /// one sequence, fed one token at a time (a logits row at every position, which a chunked
+    /// prefill of the same tokens must match), then `max_tokens` greedy tokens. Computed once
+    /// per fixed part, fault-free.
+    pub fn stream(&mut self, fixed: &[u32]) -> Result<Rc<Stream>> {
+        if let Some(s) = self.streams.get(fixed) {
+            return Ok(s.clone());
+        }
+        if fixed.is_empty() {
+            return Err(Error::Invalid("a stream needs at least one token".into()));
+        }
+        let steps = self.settings.max_tokens;
+        let mut session = self.reference.session(Faults::NONE)?;
+        let seq = session.create(0)?;
+        let mut tokens = fixed.to_vec();
+        let (mut logits, mut choices) = (Vec::new(), Vec::new());
+        let mut i = 0;
+        while i < tokens.len() {
+            let out = session.forward(&[RowStep::new(seq, vec![tokens[i]])])?;
+            let choice = greedy(&out)?[0];
+            logits.push(rows(&out)?.remove(0));
+            choices.push(choice);
+            if i + 1 == tokens.len() && tokens.len() < fixed.len() + steps {
+                tokens.push(choice);
+            }
+            i += 1;
+        }
+        drop(session);
+        require_finite("reference logits", &logits)?;
+        let stream = Rc::new(Stream { tokens, logits, greedy: choices });
+        self.streams.insert(fixed.to_vec(), stream.clone());
+        Ok(stream)
     }
 
     /// The noise floor of a row's base prompt (`p` of `p/shared7`), measured once per prompt:
@@ -373,8 +436,7 @@ pub fn trim_exact(s: &mut dyn Session, seq: SeqId, n: usize) -> Result<()> {
 }
 
 /// A case that needs `rows` sequences in one forward: skipped on a path that cannot batch them.
-pub fn need_batch(path: &dyn EnginePath, rows: usize) -> Result<()> {
-    let info = path.info();
+pub fn need_batch(info: &PathInfo, rows: usize) -> Result<()> {
     match info.capabilities.max_batch {
         Some(max) if rows > max => {
             Err(Error::Unsupported(format!("path `{}` batches at most {max} rows; this case needs {rows}", info.name)))
@@ -384,8 +446,7 @@ pub fn need_batch(path: &dyn EnginePath, rows: usize) -> Result<()> {
 }
 
 /// A case that left-pads a row: skipped on a path without masked prefixes.
-pub fn need_masked_prefix(path: &dyn EnginePath) -> Result<()> {
-    let info = path.info();
+pub fn need_masked_prefix(info: &PathInfo) -> Result<()> {
     if info.capabilities.masked_prefix {
         Ok(())
     } else {
@@ -408,7 +469,7 @@ pub fn attempt<'r>(
     }
     match f(setup) {
         Ok(mut cases) => out.append(&mut cases),
-        Err(e) => out.push(CaseOutput::new(case, prompt, Sequences::default(), Outcome::of(e))),
+        Err(e) => out.push(CaseOutput::new(case, prompt, Vec::new(), Outcome::of(e))),
     }
 }
 
@@ -429,6 +490,6 @@ pub fn case(
     paths: Vec<PathTrace>,
 ) -> Result<CaseOutput> {
     let audit = s.audit()?;
-    let measured = Sequences { reference: reference.clone(), paths };
+    let measured = paths.into_iter().map(|trace| Decoded { reference: reference.clone(), trace }).collect();
     Ok(CaseOutput { kv: s.stats()?, audit, ..CaseOutput::new(case, prompt, measured, Outcome::Ran) })
 }

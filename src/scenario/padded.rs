@@ -54,7 +54,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
         // batch-right: this prompt in row 0, a prompt of another length in row 1.
         if let Some(j) = super::ragged_partner(prompts, i) {
             attempt(setup, &mut out, &[(p, "batch-right")], |setup| {
-                need_batch(path, 2)?;
+                need_batch(path.info(), 2)?;
                 let other = &prompts[j];
                 let reference = setup.reference(&p.ids)?;
                 let other_ref = setup.reference(&other.ids)?;
@@ -95,8 +95,8 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
         // batch-left: this prompt left-padded next to a longer row (its own tokens twice, so
         // every prompt gets left pads whatever the suite's lengths).
         attempt(setup, &mut out, &[(p, "batch-left")], |setup| {
-            need_batch(path, 2)?;
-            need_masked_prefix(path)?;
+            need_batch(path.info(), 2)?;
+            need_masked_prefix(path.info())?;
             let reference = setup.reference(&p.ids)?;
             let longer: Vec<u32> = p.ids.iter().chain(&p.ids).copied().collect();
             let longer_ref = setup.reference(&longer)?;

@@ -67,7 +67,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
             let donor_ref = setup.reference(&p.ids)?;
             let adopter_ref = setup.reference(&derived.ids)?;
             let name = path.info().name.clone();
-            super::need_batch(path, 2)?;
+            super::need_batch(path.info(), 2)?;
             let mut s = path.session(setup.faults)?;
             let mut donor = ForcedSeq::new(s.create(0)?, &donor_ref, steps);
             prefill(s.as_mut(), &mut donor, &p.ids)?;

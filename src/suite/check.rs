@@ -9,12 +9,12 @@ use std::path::Path;
 
 use toml::Spanned;
 
-use super::raw::{RawEngine, RawPath, SettingsPatch, TolerancePatch};
+use super::raw::{RawEngine, RawPath, RawScript, SettingsPatch, TolerancePatch};
 use super::{SuiteError, line_col, openai};
 use crate::dtype::DtypeSetting;
 use crate::vocab::{
-    BuiltinPath, CheckpointSpec, EngineSpec, ProcessSpec, PromptSource, PromptSpec, ReferenceSpec, Scenario, Settings,
-    Tolerance, Verdict,
+    BuiltinPath, CheckpointSpec, EngineSpec, Op, ProcessSpec, PromptSource, PromptSpec, ReferenceSpec, Scenario,
+    Script, ScriptSpec, Settings, Tolerance, Verdict,
 };
 
 pub(super) struct Ctx<'a> {
@@ -301,6 +301,51 @@ impl Ctx<'_> {
                 e.kind.span(),
                 format!("engine.kind: unknown kind `{other}`; expected builtin, process or openai"),
             )),
+        }
+    }
+
+    /// The pinned scripts: names that become row ids (one plain component, none twice), ops
+    /// that parse, prompts the suite has.
+    pub(super) fn scripts(
+        &self,
+        raw: &[Spanned<RawScript>],
+        prompts: &[PromptSpec],
+    ) -> Result<Vec<ScriptSpec>, SuiteError> {
+        let mut out: Vec<ScriptSpec> = Vec::new();
+        for s in raw {
+            let s = s.get_ref();
+            let name = s.name.get_ref();
+            self.file_name("script name", name, s.name.span())?;
+            if out.iter().any(|o| &o.name == name) {
+                return Err(self.err(s.name.span(), format!("script `{name}` is defined twice")));
+            }
+            let script: Script =
+                s.ops.get_ref().parse().map_err(|e: String| self.err(s.ops.span(), format!("script `{name}`: {e}")))?;
+            for op in &script.ops {
+                let named = match op {
+                    Op::Create { stream, .. } => Some(&stream.prompt),
+                    Op::Share { then, .. } => Some(&then.prompt),
+                    _ => None,
+                };
+                if let Some(p) = named.filter(|p| !prompts.iter().any(|q| &q.name == *p)) {
+                    return Err(self.err(s.ops.span(), format!("script `{name}`: unknown prompt `{p}`")));
+                }
+            }
+            if !script.ops.iter().any(|op| matches!(op, Op::Create { .. })) {
+                return Err(self.err(s.ops.span(), format!("script `{name}` creates no sequence, so it tests nothing")));
+            }
+            out.push(ScriptSpec { name: name.clone(), script });
+        }
+        Ok(out)
+    }
+
+    /// A scenario list naming `script` where the suite pins none tests nothing.
+    pub(super) fn scripts_named(&self, list: &[Spanned<String>], scripts: &[ScriptSpec]) -> Result<(), SuiteError> {
+        match list.iter().find(|s| s.get_ref() == Scenario::Script.name()) {
+            Some(s) if scripts.is_empty() => {
+                Err(self.err(s.span(), "scenario `script` runs the suite's [[scripts]], and it has none"))
+            }
+            _ => Ok(()),
         }
     }
 

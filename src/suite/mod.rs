@@ -24,7 +24,9 @@ pub use openai::loopback_url;
 use raw::RawSuite;
 
 use crate::dtype::DtypeSetting;
-use crate::vocab::{self, CheckpointSpec, EngineSpec, PromptSource, PromptSpec, Settings, Suite, default_tolerance};
+use crate::vocab::{
+    self, CheckpointSpec, EngineSpec, PromptSource, PromptSpec, Scenario, Settings, Suite, default_tolerance,
+};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct SuiteError {
@@ -63,10 +65,6 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
     let suite_engine = match &raw.engine {
         Some(e) => cx.engine(e)?,
         None => EngineSpec::Builtin,
-    };
-    let suite_scenarios = match &raw.scenarios {
-        Some(s) => cx.scenarios(s)?,
-        None => vocab::STEP_LEVEL.to_vec(),
     };
     let mut suite_settings = Settings::default();
     let mut suite_spans = SettingSpans::new();
@@ -107,6 +105,17 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
         };
         let length = cx.positive("length", &p.length, false)?;
         prompts.push(PromptSpec { name, source, length });
+    }
+
+    let scripts = cx.scripts(&raw.scripts, &prompts)?;
+    // Pinned scripts run by default wherever the suite names no scenarios.
+    let suite_scenarios = match &raw.scenarios {
+        Some(s) => cx.scenarios(s)?,
+        None if scripts.is_empty() => vocab::STEP_LEVEL.to_vec(),
+        None => vocab::STEP_LEVEL.iter().copied().chain([Scenario::Script]).collect(),
+    };
+    if let Some(list) = &raw.scenarios {
+        cx.scripts_named(list, &scripts)?;
     }
 
     if raw.checkpoints.is_empty() {
@@ -169,6 +178,9 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             Some(b) => cx.paths(b, &engine)?,
             None => engine.path_names(),
         };
+        if let Some(list) = &c.scenarios {
+            cx.scripts_named(list, &scripts)?;
+        }
         let scenarios = match (&c.scenarios, &raw.scenarios) {
             (Some(s), _) => openai::scenarios_for(&cx, &engine, cx.scenarios(s)?, Some(s), span.clone())?,
             (None, Some(s)) => openai::scenarios_for(&cx, &engine, suite_scenarios.clone(), Some(s), span.clone())?,
@@ -190,7 +202,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
         checkpoints.push(spec);
     }
 
-    Ok(Suite { name, file: file.to_path_buf(), prompts, checkpoints })
+    Ok(Suite { name, file: file.to_path_buf(), prompts, checkpoints, scripts })
 }
 
 /// A checkpoint's report name from its reference: the last path component or the repo name,

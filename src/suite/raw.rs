@@ -22,6 +22,16 @@ pub(super) struct RawSuite {
     pub(super) prompts: Vec<Spanned<RawPrompt>>,
     #[serde(default)]
     pub(super) checkpoints: Vec<Spanned<RawCheckpoint>>,
+    #[serde(default)]
+    pub(super) scripts: Vec<Spanned<RawScript>>,
+}
+
+/// A pinned script (`[[scripts]]`): a reproducer `parity explore` printed.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawScript {
+    pub(super) name: Spanned<String>,
+    pub(super) ops: Spanned<String>,
 }
 
 #[derive(Deserialize)]

@@ -17,6 +17,12 @@ pub enum Scenario {
     Lengths,
     /// Request level only (kind = "openai"): the same request twice, uncached then cached.
     Repeat,
+    /// The suite's pinned scripts (`[[scripts]]`), one case each: reproducers `parity explore`
+    /// found, kept as rows of every run.
+    Script,
+    /// Random schedules, shrunk to a minimal script when one fails: `parity explore` only,
+    /// never a suite's.
+    Explore,
 }
 
 /// What an engine that is stepped runs (kind = "builtin" or "process"), and its default.
@@ -46,18 +52,22 @@ impl Scenario {
             Scenario::Prefix => "prefix",
             Scenario::Lengths => "lengths",
             Scenario::Repeat => "repeat",
+            Scenario::Script => "script",
+            Scenario::Explore => "explore",
         }
     }
 
+    /// A scenario a suite may name (`explore` is not one: it runs from `parity explore`).
     pub fn parse(s: &str) -> Option<Scenario> {
-        STEP_LEVEL.iter().chain(REQUEST_LEVEL).copied().find(|x| x.name() == s)
+        STEP_LEVEL.iter().chain(REQUEST_LEVEL).chain(&[Scenario::Script]).copied().find(|x| x.name() == s)
     }
 
-    /// Every scenario name, for error messages.
+    /// Every scenario name a suite may write, for error messages.
     pub fn known_names() -> Vec<&'static str> {
         let mut names: Vec<&str> = STEP_LEVEL.iter().map(|s| s.name()).collect();
         let more: Vec<&str> = REQUEST_LEVEL.iter().map(|s| s.name()).filter(|n| !names.contains(n)).collect();
         names.extend(more);
+        names.push(Scenario::Script.name());
         names
     }
 }

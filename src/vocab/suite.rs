@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 
 use super::audit::{Problem, lengths_problem, request_level_problems, settings_problems};
-use super::{BuiltinPath, Scenario, Settings, Verdict};
+use super::{BuiltinPath, Scenario, Script, Settings, Verdict};
 use crate::dtype::DtypeSetting;
 use crate::kv::Backend;
 
@@ -224,6 +224,15 @@ pub struct Suite {
     pub file: PathBuf,
     pub prompts: Vec<PromptSpec>,
     pub checkpoints: Vec<CheckpointSpec>,
+    /// Pinned scripts (`[[scripts]]`), run by the `script` scenario.
+    pub scripts: Vec<ScriptSpec>,
+}
+
+/// A pinned script: a reproducer `parity explore` printed, kept as a row of every run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScriptSpec {
+    pub name: String,
+    pub script: Script,
 }
 
 impl CheckpointSpec {
