@@ -66,6 +66,7 @@ pub use environment::{DeviceChoice, blas, use_device};
 
 // One scenario on one path against its reference, compared by hand.
 pub use compare::{Choice, FirstDifference, LogprobComparison, PathComparison, StepMetrics, compare, compare_logprobs};
+pub use scenario::explore::Budget as ExploreBudget;
 pub use scenario::{CaseOutput, Decoded, Outcome, Sequences, Setup, run as run_scenario};
 
 /// mlx-rs seeds its random state with macOS's `mach_approximate_time`; the symbol does not exist

@@ -306,3 +306,35 @@ fn every_shipped_suite_parses() {
     }
     assert!(n >= 6, "only {n} suites found in {}", dir.display());
 }
+
+// ---- pinned scripts ([[scripts]]) ----------------------------------------------------------
+
+/// GOOD (ending in its checkpoint) with `extra` in front of the `[[checkpoints]]` table.
+fn with(extra: &str) -> String {
+    GOOD.replace("[[checkpoints]]", &format!("{extra}\n[[checkpoints]]"))
+}
+
+#[test]
+fn a_pinned_script_runs_by_default_and_its_mistakes_are_located() {
+    let s = parity::parse_suite(
+        Path::new("suites/x.toml"),
+        &with("[[scripts]]\nname = \"s1\"\nops = \"a = p[:3]; prefill a 3\""),
+    )
+    .unwrap();
+    assert_eq!(s.scripts.len(), 1);
+    assert!(s.checkpoints[0].scenarios.contains(&parity::vocab::Scenario::Script), "{:?}", s.checkpoints[0].scenarios);
+    let script = |ops: &str| with(&format!("[[scripts]]\nname = \"s1\"\nops = \"{ops}\""));
+    let at = GOOD.lines().position(|l| l == "[[checkpoints]]").unwrap() + 3;
+    assert_at(&script("a = nope; step a"), at, "unknown prompt `nope`");
+    assert_at(&script("a = p; prefill a 0"), at, "operation 2 `prefill a 0`: rows: must be positive");
+    assert_at(&script("step a"), at, "creates no sequence");
+    assert_at(&with("[[scripts]]\nname = \"../x\"\nops = \"a = p\""), at - 1, "script name");
+    let twice = with("[[scripts]]\nname = \"s\"\nops = \"a = p\"\n[[scripts]]\nname = \"s\"\nops = \"a = p\"");
+    assert!(err(&twice).message.contains("defined twice"), "{}", err(&twice));
+}
+
+#[test]
+fn the_script_scenario_without_scripts_tests_nothing() {
+    let text = GOOD.replace("name = \"t\"", "name = \"t\"\nscenarios = [\"single\", \"script\"]");
+    assert_at(&text, 3, "scenario `script` runs the suite's [[scripts]], and it has none");
+}

@@ -135,7 +135,8 @@ pub(super) fn scenarios_for(
     if openai && written.is_none() {
         return Ok(REQUEST_LEVEL.to_vec());
     }
-    let allowed: &[Scenario] = if openai { REQUEST_LEVEL } else { STEP_LEVEL };
+    let stepped: Vec<Scenario> = STEP_LEVEL.iter().copied().chain([Scenario::Script]).collect();
+    let allowed: &[Scenario] = if openai { REQUEST_LEVEL } else { &stepped };
     for (i, s) in scenarios.iter().enumerate() {
         if !allowed.contains(s) {
             let span = written.and_then(|w| w.get(i)).map(|w| w.span()).unwrap_or(checkpoint);
