@@ -304,3 +304,38 @@ fn suites_refuse_non_loopback_servers_and_scenarios_the_engine_cannot_run() {
     let e = parse_error("[engine]\nkind = \"builtin\"\nurl = \"http://127.0.0.1:1\"", "");
     assert!(e.contains("engine.url is only for kind = \"openai\""), "{e}");
 }
+
+/// Random request schedules rediscover the prompt-cache crash `lengths` found on mlx_lm.server
+/// (a prompt the cache holds whole drops the request), planted in the fake: with no fixed
+/// scenario, shrunk to a couple of requests; a correct server explored finds nothing; and the
+/// reproducer pinned in `[[scripts]]` is a row of `parity run` that fails the same way.
+#[test]
+fn explore_rediscovers_the_prompt_cache_crash_and_its_reproducer_pins() {
+    let t = tag("explore");
+    let file = suite(&t, "", "", &[("sequential", ""), ("cached", r#""--mode", "covered-crash""#)]);
+    common::cpu();
+    let suite = parity::load_suite(&file).unwrap_or_else(|e| panic!("{e}"));
+    let budget = parity::ExploreBudget { seed: 5, schedules: Some(12), findings: 1, ..Default::default() };
+    let report = run_suite(&suite, &RunOptions { explore: Some(budget), ..RunOptions::default() }, &NoProgress);
+    let clean = rows(&report, "sequential");
+    assert!(clean.len() == 1 && clean[0].pass && clean[0].notes[0].contains("no failure"), "{clean:#?}");
+    let crash = rows(&report, "cached");
+    let row = crash.iter().find(|r| !r.pass).unwrap_or_else(|| panic!("the crash is found: {crash:#?}"));
+    assert!(row.failure.as_deref().unwrap_or_default().contains("request failed"), "{row:#?}");
+    let reproducer = row.notes.iter().find_map(|n| n.strip_prefix("reproducer: ")).expect("a reproducer");
+    assert!(reproducer.split("; ").count() <= 3, "{reproducer}");
+
+    let text = std::fs::read_to_string(&file).unwrap().replacen(
+        "dtype = \"float32\"\n",
+        "dtype = \"float32\"\nscenarios = [\"script\"]\n",
+        1,
+    ) + &format!("\n[[scripts]]\nname = \"crash\"\nrequests = \"{reproducer}\"\n");
+    std::fs::write(&file, &text).unwrap();
+    let suite = parity::load_suite(&file).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let report = run_suite(&suite, &RunOptions::default(), &NoProgress);
+    let ok = rows(&report, "sequential");
+    assert!(ok.len() == 1 && ok[0].pass && ok[0].case == "crash", "{ok:#?}");
+    let bad = rows(&report, "cached");
+    assert!(bad.len() == 1 && !bad[0].pass, "{bad:#?}");
+    common::assert_no_leftovers(&t);
+}

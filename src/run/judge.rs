@@ -355,3 +355,39 @@ fn cross_check(
         facts.text_contradiction = Some(why);
     }
 }
+
+/// How a judged row fails, in words that stay the same while the script behind it shrinks:
+/// the verdict, or an error's cause without where it happened (no operation or request
+/// number, no counts); `None` when it passes. Shrinking keeps a candidate only when its row
+/// fails with the same signature, so a reproducer reproduces the failure it was found with.
+pub(super) fn signature(row: &Row) -> Option<String> {
+    if row.pass || row.verdict == Verdict::Skipped {
+        return None;
+    }
+    if row.verdict != Verdict::Error {
+        let how = if row.nan {
+            " NaN"
+        } else if row.first_divergence.is_none() {
+            " over tolerance"
+        } else {
+            ""
+        };
+        return Some(format!("{}{how}", row.verdict.name()));
+    }
+    let mut cause = row.failure.as_deref().unwrap_or_default();
+    let location = format!("{} on {}: ", row.scenario, row.path);
+    cause = cause.strip_prefix(location.as_str()).unwrap_or(cause);
+    // `operation 5 `trim a 3`: `, `after operation 2 `release a`: `, `request 3: `.
+    loop {
+        let rest = cause.strip_prefix("after ").unwrap_or(cause);
+        let Some(rest) = rest.strip_prefix("operation ").or_else(|| rest.strip_prefix("request ")) else { break };
+        let Some((_, tail)) = rest.split_once(": ") else { break };
+        cause = tail;
+    }
+    let words: Vec<String> = cause
+        .split_whitespace()
+        .take(3)
+        .map(|w| w.chars().map(|c| if c.is_ascii_digit() { 'N' } else { c }).collect())
+        .collect();
+    Some(format!("error: {}", words.join(" ")))
+}

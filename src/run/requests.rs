@@ -9,15 +9,18 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use super::judge::Judge;
+use super::judge::{self, Judge};
 use super::{
     Cell, Progress, Resolved, RunOptions, blanket_rows, cell_row, each_cell, encode_all, encoded_ids, unencoded_rows,
 };
 use crate::engine::Dirs;
-use crate::engine::openai::ServerPath;
+use crate::engine::openai::{Completion, ServerPath};
 use crate::report::{CheckpointReport, CheckpointStatus, Phase, Row};
-use crate::scenario::requests::{self, Inputs, References, Schedule};
-use crate::vocab::{EngineId, OpenaiSpec, Prompt, Scenario, Verdict};
+use crate::rng::Rng;
+use crate::scenario::explore::{self, Budget};
+use crate::scenario::requests::{self, Answers, Inputs, References, Schedule};
+use crate::scenario::{CaseOutput, Outcome};
+use crate::vocab::{EngineId, OpenaiSpec, Prompt, RequestScript, Scenario, Verdict};
 
 pub(super) fn run(
     r: &Resolved,
@@ -92,11 +95,39 @@ pub(super) fn run(
     if let Some(fp) = references.values().find_map(|a| a.as_ref().ok()?.fingerprint.clone()) {
         report.reference_engine = Some(EngineId { kind: "openai".into(), name: o.name.clone(), version: fp });
     }
-    reference.stop();
+    // Scripts (explored or pinned) ask for references as they go: the reference server stays
+    // up for them (idle while a path's server answers). Otherwise one server is alive at a time.
+    let scripted = cells.iter().any(|c| matches!(c.scenario, Scenario::Explore | Scenario::Script));
+    if !scripted {
+        reference.stop();
+    }
+    let pinned = suite.request_scripts();
     report.phases.push(Phase { name: "reference".into(), seconds: t.elapsed().as_secs_f64() });
 
     let rows = each_cell(cells, r.filter, progress, &mut report.phases, |cell, phases| {
         let mut rows = unencoded_rows(r, cell, &prompts);
+        let judge = Judge { spec, cell, tokenizer: &r.tokenizer };
+        let mine: Vec<Prompt> = cell.prompts.iter().filter_map(|p| prompts[p].as_ref().ok().cloned()).collect();
+        let start_path = |label: &str| start(&cell.path, label);
+        let mut answer = |ids: &[u32]| {
+            requests::answer_alone(&mut reference, &[ids.to_vec()], max_tokens, &mut references);
+            references.get(ids).cloned()
+        };
+        match cell.scenario {
+            Scenario::Explore => {
+                let budget = opts.explore.clone().unwrap_or_default();
+                rows.extend(explore(o, &mine, &budget, &judge, &start_path, &mut answer, max_tokens));
+                return rows;
+            }
+            Scenario::Script => {
+                for (name, script) in &pinned {
+                    let case = scripted_case(o, &mine, script, name, &judge, &start_path, &mut answer, max_tokens);
+                    rows.push(judge.requests(&case));
+                }
+                return rows;
+            }
+            _ => {}
+        }
         let planned = &schedules[&(cell.scenario, cell.path.clone(), cell.prompts.clone())];
         if planned.is_empty() {
             return rows;
@@ -115,12 +146,81 @@ pub(super) fn run(
         rows.extend(cases.iter().map(|c| judge.requests(c)));
         rows
     });
+    reference.stop();
     if let Some(e) = report.engine.as_mut()
         && let Some(r) = &report.reference_engine
     {
         e.version = r.version.clone();
     }
     rows
+}
+
+/// Explore one path of a server within `budget`: random request scripts, each on a fresh
+/// server (so a finding does not hang on what an earlier schedule left in its cache), a row per
+/// distinct failure, shrunk, with its reproducer; or one passing row with what was explored.
+/// `answer` gives (and computes the first time) the reference path's answer to a prompt alone.
+fn explore<'a>(
+    o: &OpenaiSpec,
+    prompts: &[Prompt],
+    budget: &Budget,
+    judge: &Judge,
+    start: &dyn Fn(&str) -> Result<ServerPath<'a>, String>,
+    answer: &mut dyn FnMut(&[u32]) -> Option<Result<Completion, String>>,
+    max_tokens: usize,
+) -> Vec<Row> {
+    let settings = &judge.spec.settings;
+    let label = [judge.spec.name.as_str(), judge.cell.path.as_str()];
+    let mut generate = |rng: &mut Rng| explore::generate_requests(rng, prompts, settings, o.stream_logprobs, budget);
+    let mut run = |s: &RequestScript, name: &str| {
+        let case = scripted_case(o, prompts, s, name, judge, start, answer, max_tokens);
+        let sent = case.measured.requests.len();
+        (case, sent)
+    };
+    let mut fails = |c: &CaseOutput<Answers>| judge::signature(&judge.requests(c));
+    let explored =
+        explore::explore_with(budget, &label, &mut generate, &mut run, &mut fails, &explore::shrink_requests);
+    if explored.findings.is_empty() {
+        let mut row = cell_row(judge.spec, judge.cell, "*", &format!("seed{}", budget.seed), Verdict::Identical);
+        row.pass = true;
+        row.notes.push(explore::summary(&explored, "requests"));
+        return vec![row];
+    }
+    explored
+        .findings
+        .iter()
+        .map(|f| {
+            let mut row = judge.requests(&f.case);
+            row.notes.extend(explore::notes(f, &explored, |s| s.requests.len(), "requests", "requests"));
+            row
+        })
+        .collect()
+}
+
+/// A request script as case `name`, on a fresh server of the cell's path (so nothing an earlier
+/// script left in its cache decides this one).
+#[allow(clippy::too_many_arguments)]
+fn scripted_case<'a>(
+    o: &OpenaiSpec,
+    prompts: &[Prompt],
+    script: &RequestScript,
+    name: &str,
+    judge: &Judge,
+    start: &dyn Fn(&str) -> Result<ServerPath<'a>, String>,
+    answer: &mut dyn FnMut(&[u32]) -> Option<Result<Completion, String>>,
+    max_tokens: usize,
+) -> CaseOutput<Answers> {
+    match start(judge.cell.scenario.name()) {
+        Ok(mut server) => {
+            let case = requests::run_script(script, prompts, max_tokens, o.stream_logprobs, &mut server, answer, name);
+            server.stop();
+            case
+        }
+        Err(why) => {
+            let why = format!("path `{}` did not start: {why}", judge.cell.path);
+            let measured = Answers { requests: Vec::new(), sent: 0, server_ended: None };
+            CaseOutput::new(name, &Prompt { name: "*".into(), ids: Vec::new() }, measured, Outcome::NotRun(why))
+        }
+    }
 }
 
 /// `<dir>/<checkpoint>__<label>__<path>.log`, every part reduced to a safe file name, so a

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use super::judge::Judge;
+use super::judge::{self, Judge};
 use super::select::cell_selected;
 use super::{
     Cell, Progress, Resolved, RunOptions, blanket_rows, cell_row, each_cell, encode_all, encoded_ids, unencoded_rows,
@@ -93,7 +93,7 @@ pub(super) fn run(
         }
     }
     let mut setup = Setup::new(reference.as_mut(), spec.settings.clone(), opts.faults, pad);
-    setup.scripts = suite.scripts.iter().map(|s| (s.name.clone(), s.script.clone())).collect();
+    setup.scripts = suite.step_scripts();
     let rows = each_cell(cells.iter().copied(), r.filter, progress, &mut report.phases, |cell, _| {
         let mut rows = unencoded_rows(r, cell, &prompts);
         let good: Vec<Prompt> = cell.prompts.iter().filter_map(|p| prompts[p].as_ref().ok().cloned()).collect();
@@ -146,12 +146,12 @@ fn explore(
 ) -> Vec<Row> {
     let info = path.info().clone();
     let label = [judge.spec.name.as_str(), info.name.as_str()];
-    let mut fails = |c: &CaseOutput| signature(&judge.steps(c, None, &info));
+    let mut fails = |c: &CaseOutput| judge::signature(&judge.steps(c, None, &info));
     let explored = explore::explore(setup, path, prompts, budget, context, &label, &mut fails);
     if explored.findings.is_empty() {
         let mut row = cell_row(judge.spec, judge.cell, "*", &format!("seed{}", budget.seed), Verdict::Identical);
         row.pass = true;
-        row.notes.push(explore::summary(&explored));
+        row.notes.push(explore::summary(&explored, "operations"));
         return vec![row];
     }
     explored
@@ -160,31 +160,8 @@ fn explore(
         .map(|f| {
             let floor = setup.noise_floor(&f.case.prompt.name, prompts);
             let mut row = judge.steps(&f.case, floor, &info);
-            row.notes.extend(explore::notes(f, &explored));
+            row.notes.extend(explore::notes(f, &explored, |s| s.ops.len(), "operations", "ops"));
             row
         })
         .collect()
-}
-
-/// How a judged row fails, in words that stay the same while its script shrinks (no counts,
-/// no operation numbers); `None` when it passes.
-fn signature(row: &Row) -> Option<String> {
-    if row.pass || row.verdict == Verdict::Skipped {
-        return None;
-    }
-    if row.verdict != Verdict::Error {
-        let how = if row.nan {
-            " NaN"
-        } else if row.first_divergence.is_none() {
-            " over tolerance"
-        } else {
-            ""
-        };
-        return Some(format!("{}{how}", row.verdict.name()));
-    }
-    let failure = row.failure.as_deref().unwrap_or_default();
-    // `explore on paged: operation 5 `trim a 3`: trim of 3 rows ...` -> `trim of`.
-    let cause = failure.rsplit("`: ").next().unwrap_or(failure);
-    let cause = cause.split(|c: char| c.is_ascii_digit()).next().unwrap_or(cause);
-    Some(format!("error: {}", cause.trim()))
 }

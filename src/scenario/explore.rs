@@ -12,10 +12,10 @@
 use std::time::{Duration, Instant};
 
 use super::script;
-use super::{CaseOutput, Setup};
+use super::{CaseOutput, Sequences, Setup};
 use crate::engine::{EnginePath, PathInfo};
 use crate::rng::Rng;
-use crate::vocab::{Op, Prompt, PromptCut, Script, Settings};
+use crate::vocab::{Op, Prompt, PromptCut, Request, RequestPrompt, RequestScript, RequestWhen, Script, Settings};
 
 /// How much to explore on each path, and the shape of the schedules.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,35 +41,89 @@ impl Default for Budget {
     }
 }
 
-/// A failure explore found: the schedule as generated, shrunk, and the shrunk one's case.
+/// A failure explore found: the schedule as generated, shrunk, and the shrunk one's case. `S`
+/// is the kind of script ([`Script`] for a stepped path, [`RequestScript`] for a server), `M`
+/// what its case measured.
 #[derive(Debug, Clone)]
-pub struct Finding {
+pub struct Finding<S, M> {
     /// Which schedule of the path (its index for the seed).
     pub schedule: usize,
-    pub generated: Script,
-    pub shrunk: Script,
+    pub generated: S,
+    pub shrunk: S,
     /// The shrunk script's case, as it ran last.
-    pub case: CaseOutput,
+    pub case: CaseOutput<M>,
     /// How the failure reads, the same before and after shrinking.
     pub signature: String,
     pub replays: usize,
 }
 
 /// What exploring one path did.
-#[derive(Debug, Clone, Default)]
-pub struct Explored {
+#[derive(Debug, Clone)]
+pub struct Explored<S, M> {
     pub schedules: usize,
-    /// Operations applied by the generated schedules (shrinking's replays not counted).
+    /// Operations (requests, for a server) the generated schedules applied; shrinking's
+    /// replays not counted.
     pub ops: usize,
-    pub findings: Vec<Finding>,
+    pub findings: Vec<Finding<S, M>>,
     pub seconds: f64,
     /// Of which: replaying candidates while shrinking.
     pub shrink_seconds: f64,
 }
 
-/// Explore `path` within `budget`. `fails` judges a case: its failure signature (what kind of
-/// failure it is, so shrinking keeps the same one), or `None` when it passes. `context`: the
-/// longest stream the checkpoint can hold. `label` names the path for the seeds.
+/// The loop both kinds of engine explore with: schedule `k` generated from its own seeded
+/// stream, run, judged by `fails` (its failure signature, or `None` when it passes); a failure
+/// not seen before on this path is shrunk while it fails the same way, then run once more as
+/// printed, so the row's failure names what the reproducer has. `run` returns the case and how
+/// many operations applied. Stops at the budget's schedules, time or findings.
+pub fn explore_with<S: Clone, M>(
+    budget: &Budget,
+    label: &[&str],
+    generate: &mut dyn FnMut(&mut Rng) -> S,
+    run: &mut dyn FnMut(&S, &str) -> (CaseOutput<M>, usize),
+    fails: &mut dyn FnMut(&CaseOutput<M>) -> Option<String>,
+    shrink: &dyn Fn(&S, &mut dyn FnMut(&S) -> bool, usize) -> (S, usize),
+) -> Explored<S, M> {
+    let started = Instant::now();
+    let mut out = Explored { schedules: 0, ops: 0, findings: Vec::new(), seconds: 0.0, shrink_seconds: 0.0 };
+    let limit = budget.schedules.unwrap_or(if budget.time.is_some() { usize::MAX } else { 100 });
+    for k in 0..limit {
+        if budget.time.is_some_and(|t| started.elapsed() >= t) || out.findings.len() >= budget.findings {
+            break;
+        }
+        let (seed, index) = (budget.seed.to_string(), k.to_string());
+        let parts: Vec<&str> =
+            [seed.as_str()].into_iter().chain(label.iter().copied()).chain([index.as_str()]).collect();
+        let generated = generate(&mut Rng::from_parts(&parts));
+        let name = format!("s{k}");
+        let (case, applied) = run(&generated, &name);
+        out.schedules += 1;
+        out.ops += applied;
+        let Some(signature) = fails(&case) else { continue };
+        if out.findings.iter().any(|f| f.signature == signature) {
+            continue;
+        }
+        let t = Instant::now();
+        let mut last = case;
+        let mut replay = |s: &S| {
+            let (c, _) = run(s, &name);
+            let same = fails(&c).as_deref() == Some(signature.as_str());
+            if same {
+                last = c;
+            }
+            same
+        };
+        let (shrunk, mut replays) = shrink(&generated, &mut replay, budget.shrink_replays);
+        replays += 1;
+        replay(&shrunk);
+        out.shrink_seconds += t.elapsed().as_secs_f64();
+        out.findings.push(Finding { schedule: k, generated, shrunk, case: last, signature, replays });
+    }
+    out.seconds = started.elapsed().as_secs_f64();
+    out
+}
+
+/// Explore a stepped `path` within `budget`: [`explore_with`] over random [`Script`]s.
+/// `context`: the longest stream the checkpoint can hold; `label` names the path for the seeds.
 #[allow(clippy::too_many_arguments)]
 pub fn explore(
     setup: &mut Setup,
@@ -79,49 +133,15 @@ pub fn explore(
     context: usize,
     label: &[&str],
     fails: &mut dyn FnMut(&CaseOutput) -> Option<String>,
-) -> Explored {
-    let started = Instant::now();
+) -> Explored<Script, Sequences> {
     let info = path.info().clone();
-    let mut out = Explored::default();
-    let limit = budget.schedules.unwrap_or(if budget.time.is_some() { usize::MAX } else { 100 });
-    for k in 0..limit {
-        if budget.time.is_some_and(|t| started.elapsed() >= t) || out.findings.len() >= budget.findings {
-            break;
-        }
-        let seed = budget.seed.to_string();
-        let index = k.to_string();
-        let mut parts = vec![seed.as_str()];
-        parts.extend_from_slice(label);
-        parts.push(&index);
-        let mut rng = Rng::from_parts(&parts);
-        let generated = generate(&mut rng, prompts, &setup.settings, &info, budget, context);
-        let (case, ran) = script::run_counted(setup, path, &generated, prompts, &format!("s{k}"));
-        out.schedules += 1;
-        out.ops += ran.applied;
-        let Some(signature) = fails(&case) else { continue };
-        if out.findings.iter().any(|f| f.signature == signature) {
-            continue;
-        }
-        let t = Instant::now();
-        let mut last = case;
-        let mut replay = |s: &Script| {
-            let (c, _) = script::run_counted(setup, path, s, prompts, &format!("s{k}"));
-            let same = fails(&c).as_deref() == Some(signature.as_str());
-            if same {
-                last = c;
-            }
-            same
-        };
-        let (shrunk, mut replays) = shrink(&generated, &mut replay, budget.shrink_replays);
-        // Once more as printed (sequences renamed), so the row's failure names the operations
-        // the reproducer has.
-        replays += 1;
-        replay(&shrunk);
-        out.shrink_seconds += t.elapsed().as_secs_f64();
-        out.findings.push(Finding { schedule: k, generated, shrunk, case: last, signature, replays });
-    }
-    out.seconds = started.elapsed().as_secs_f64();
-    out
+    let settings = setup.settings.clone();
+    let mut generate = |rng: &mut Rng| generate(rng, prompts, &settings, &info, budget, context);
+    let mut run = |s: &Script, name: &str| {
+        let (case, ran) = script::run_counted(setup, path, s, prompts, name);
+        (case, ran.applied)
+    };
+    explore_with(budget, label, &mut generate, &mut run, fails, &shrink)
 }
 
 /// The lengths worth hitting: each boundary minus one, at, plus one.
@@ -258,17 +278,45 @@ fn seq_name(i: usize) -> String {
     if i < 26 { letter.to_string() } else { format!("{letter}{}", i / 26) }
 }
 
-/// The smallest script `still_fails` keeps failing that removing an operation, a row of a
-/// batch, or making a number smaller can reach, within `most` replays; and how many replays it
-/// took. Operations are removed in halves, then quarters, down to one at a time (a script
-/// with an operation gone is still a script: what no longer applies is passed over), then
-/// rows of batches, then counts (to one, halved, one less). Sequences are renamed a, b, c in
-/// the order they appear, so reproducers read the same way.
+/// The smallest script `still_fails` keeps failing that removing operations or making one
+/// smaller can reach, within `most` replays; and how many replays it took. Sequences are
+/// renamed a, b, c in the order they appear, so reproducers read the same way.
 pub fn shrink(script: &Script, still_fails: &mut dyn FnMut(&Script) -> bool, most: usize) -> (Script, usize) {
-    let mut best = script.clone();
+    let (ops, replays) =
+        shrink_list(&script.ops, &smaller, &mut |ops: &[Op]| still_fails(&Script { ops: ops.to_vec() }), most);
+    (renamed(&Script { ops }), replays)
+}
+
+/// [`shrink`] for a request script: requests removed, prompts cut shorter, fewer tokens asked
+/// for, arrivals made plainer; requests renamed r0, r1, ... in order.
+pub fn shrink_requests(
+    script: &RequestScript,
+    still_fails: &mut dyn FnMut(&RequestScript) -> bool,
+    most: usize,
+) -> (RequestScript, usize) {
+    let (requests, replays) = shrink_list(
+        &script.requests,
+        &smaller_request,
+        &mut |r: &[Request]| still_fails(&RequestScript { requests: r.to_vec() }),
+        most,
+    );
+    (renamed_requests(&RequestScript { requests }), replays)
+}
+
+/// The shortest list `still_fails` keeps failing, by removing items in halves, then quarters,
+/// down to one at a time (a script with an item gone is still a script: what no longer applies
+/// is passed over), then replacing items with the smaller forms `smaller` offers, until
+/// nothing changes or `most` replays are spent.
+fn shrink_list<T: Clone + PartialEq>(
+    items: &[T],
+    smaller: &dyn Fn(&T) -> Vec<T>,
+    still_fails: &mut dyn FnMut(&[T]) -> bool,
+    most: usize,
+) -> (Vec<T>, usize) {
+    let mut best = items.to_vec();
     let mut replays = 0usize;
-    let mut try_it = |candidate: Script, best: &mut Script, replays: &mut usize| -> bool {
-        if *replays >= most || candidate == *best {
+    let mut try_it = |candidate: Vec<T>, best: &mut Vec<T>, replays: &mut usize| -> bool {
+        if *replays >= most || candidate.is_empty() || candidate == *best {
             return false;
         }
         *replays += 1;
@@ -281,44 +329,26 @@ pub fn shrink(script: &Script, still_fails: &mut dyn FnMut(&Script) -> bool, mos
     };
     loop {
         let before = best.clone();
-        // Whole chunks of operations, largest first.
-        let mut chunk = best.ops.len().div_ceil(2).max(1);
-        while chunk >= 1 {
+        let mut chunk = best.len().div_ceil(2).max(1);
+        loop {
             let mut start = 0;
-            while start < best.ops.len() {
+            while start < best.len() {
                 let mut c = best.clone();
-                let end = (start + chunk).min(c.ops.len());
-                c.ops.drain(start..end);
-                if c.ops.is_empty() || !try_it(c, &mut best, &mut replays) {
+                let end = (start + chunk).min(c.len());
+                c.drain(start..end);
+                if !try_it(c, &mut best, &mut replays) {
                     start += chunk;
                 }
             }
             if chunk == 1 {
                 break;
             }
-            chunk = chunk.div_ceil(2).max(1).min(chunk - 1).max(1);
+            chunk = chunk.div_ceil(2).min(chunk - 1).max(1);
         }
-        // Rows of a batched forward.
-        for i in 0..best.ops.len() {
-            let mut j = 0;
-            while let Some(Op::Feed { seqs, .. }) = best.ops.get(i) {
-                if j >= seqs.len() || seqs.len() < 2 {
-                    break;
-                }
+        for i in 0..best.len() {
+            for value in smaller(&best[i]) {
                 let mut c = best.clone();
-                if let Op::Feed { seqs, .. } = &mut c.ops[i] {
-                    seqs.remove(j);
-                }
-                if !try_it(c, &mut best, &mut replays) {
-                    j += 1;
-                }
-            }
-        }
-        // Counts: rows, cuts, pads.
-        for i in 0..best.ops.len() {
-            for value in smaller(&best.ops[i]) {
-                let mut c = best.clone();
-                c.ops[i] = value;
+                c[i] = value;
                 if try_it(c, &mut best, &mut replays) {
                     break;
                 }
@@ -328,19 +358,23 @@ pub fn shrink(script: &Script, still_fails: &mut dyn FnMut(&Script) -> bool, mos
             break;
         }
     }
-    (renamed(&best), replays)
+    (best, replays)
 }
 
-/// The operation with one of its counts made smaller, smallest first.
+/// Counts made smaller, smallest first: 1, half, one less.
+fn down(n: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = [1, n / 2, n.saturating_sub(1)].into_iter().filter(|&m| m >= 1 && m < n).collect();
+    v.dedup();
+    v
+}
+
+fn cut_down(p: &PromptCut) -> Vec<PromptCut> {
+    p.cut.map_or_else(Vec::new, |n| down(n).into_iter().map(|m| PromptCut { cut: Some(m), ..p.clone() }).collect())
+}
+
+/// The operation made smaller, smallest first: a row of a batch gone, then its counts (rows,
+/// cuts, pads) smaller.
 fn smaller(op: &Op) -> Vec<Op> {
-    let down = |n: usize| -> Vec<usize> {
-        let mut v: Vec<usize> = [1, n / 2, n.saturating_sub(1)].into_iter().filter(|&m| m >= 1 && m < n).collect();
-        v.dedup();
-        v
-    };
-    let cut_down = |p: &PromptCut| -> Vec<PromptCut> {
-        p.cut.map_or_else(Vec::new, |n| down(n).into_iter().map(|m| PromptCut { cut: Some(m), ..p.clone() }).collect())
-    };
     match op {
         Op::Create { seq, stream, masked } => {
             let mut out: Vec<Op> =
@@ -365,7 +399,18 @@ fn smaller(op: &Op) -> Vec<Op> {
             }));
             out
         }
-        Op::Feed { seqs, rows } => down(*rows).into_iter().map(|r| Op::Feed { seqs: seqs.clone(), rows: r }).collect(),
+        Op::Feed { seqs, rows } => {
+            let mut out: Vec<Op> = (0..seqs.len())
+                .filter(|_| seqs.len() > 1)
+                .map(|j| {
+                    let mut fewer = seqs.clone();
+                    fewer.remove(j);
+                    Op::Feed { seqs: fewer, rows: *rows }
+                })
+                .collect();
+            out.extend(down(*rows).into_iter().map(|r| Op::Feed { seqs: seqs.clone(), rows: r }));
+            out
+        }
         Op::Trim { seq, rows } => down(*rows).into_iter().map(|r| Op::Trim { seq: seq.clone(), rows: r }).collect(),
         Op::Release { .. } => Vec::new(),
     }
@@ -398,10 +443,133 @@ fn renamed(script: &Script) -> Script {
     Script { ops }
 }
 
+/// The request made smaller: fewer tokens asked for, a shorter prompt, a plainer arrival.
+fn smaller_request(r: &Request) -> Vec<Request> {
+    let with = |prompt: RequestPrompt| Request { prompt, ..r.clone() };
+    let mut out: Vec<Request> = r
+        .max_tokens
+        .map_or_else(Vec::new, |n| down(n).into_iter().map(|m| Request { max_tokens: Some(m), ..r.clone() }).collect());
+    match &r.prompt {
+        RequestPrompt::Prompt(p) => out.extend(cut_down(p).into_iter().map(|c| with(RequestPrompt::Prompt(c)))),
+        RequestPrompt::Back { of, cut } => {
+            out.extend(down(*cut).into_iter().map(|c| with(RequestPrompt::Back { of: of.clone(), cut: c })))
+        }
+        RequestPrompt::Extends { of, then: Some(p) } => {
+            out.push(with(RequestPrompt::Extends { of: of.clone(), then: None }));
+            out.extend(cut_down(p).into_iter().map(|c| with(RequestPrompt::Extends { of: of.clone(), then: Some(c) })));
+        }
+        RequestPrompt::Extends { then: None, .. } => {}
+    }
+    match &r.when {
+        RequestWhen::At(of, t) => {
+            out.push(Request { when: RequestWhen::After(of.clone()), ..r.clone() });
+            out.extend(down(*t).into_iter().map(|t| Request { when: RequestWhen::At(of.clone(), t), ..r.clone() }));
+        }
+        RequestWhen::After(_) => out.push(Request { when: RequestWhen::Now, ..r.clone() }),
+        RequestWhen::Now => {}
+    }
+    out
+}
+
+/// The request script with its requests named r0, r1, ... in order.
+fn renamed_requests(script: &RequestScript) -> RequestScript {
+    let names: Vec<&str> = script.requests.iter().map(|r| r.name.as_str()).collect();
+    let to = |n: &str| format!("r{}", names.iter().position(|m| *m == n).unwrap_or(0));
+    let requests = script
+        .requests
+        .iter()
+        .map(|r| Request {
+            name: to(&r.name),
+            prompt: match &r.prompt {
+                RequestPrompt::Prompt(p) => RequestPrompt::Prompt(p.clone()),
+                RequestPrompt::Extends { of, then } => RequestPrompt::Extends { of: to(of), then: then.clone() },
+                RequestPrompt::Back { of, cut } => RequestPrompt::Back { of: to(of), cut: *cut },
+            },
+            when: match &r.when {
+                RequestWhen::Now => RequestWhen::Now,
+                RequestWhen::After(of) => RequestWhen::After(to(of)),
+                RequestWhen::At(of, t) => RequestWhen::At(to(of), *t),
+            },
+            max_tokens: r.max_tokens,
+        })
+        .collect();
+    RequestScript { requests }
+}
+
+/// One random request schedule: 2 to `budget.sequences + 1` requests, each a prompt cut
+/// toward a boundary, or a relation to an earlier one (its prompt and answer extended, its
+/// prompt cut back, the same prompt again), sent at once, after an earlier one ended, or once
+/// an earlier one has streamed some tokens (only where streamed answers carry logprobs, so the
+/// clock is a request parity measures; elsewhere `after` stands in).
+pub fn generate_requests(
+    rng: &mut Rng,
+    prompts: &[Prompt],
+    s: &Settings,
+    stream_logprobs: bool,
+    budget: &Budget,
+) -> RequestScript {
+    let n = 2 + rng.below(budget.sequences.max(1));
+    let mut requests: Vec<Request> = Vec::new();
+    // Each request's prompt length, as far as the generator can tell (an answer is taken as
+    // max_tokens long; the runner cuts back to what is there).
+    let mut lengths: Vec<usize> = Vec::new();
+    for i in 0..n {
+        let name = format!("r{i}");
+        let fresh = |rng: &mut Rng| -> Option<(RequestPrompt, usize)> {
+            let p = rng.pick(prompts)?;
+            let len = length(rng, s, p.ids.len(), &[]);
+            Some((
+                RequestPrompt::Prompt(PromptCut { prompt: p.name.clone(), cut: (len < p.ids.len()).then_some(len) }),
+                len,
+            ))
+        };
+        let (prompt, len) = if i == 0 || rng.chance(0.35) {
+            match fresh(rng) {
+                Some(x) => x,
+                None => break,
+            }
+        } else {
+            let j = rng.below(i);
+            let of = requests[j].name.clone();
+            let roll = rng.below(100);
+            if roll < 45 {
+                let then = if rng.chance(0.5) {
+                    rng.pick(prompts)
+                        .map(|p| PromptCut { prompt: p.name.clone(), cut: Some(1 + rng.below(p.ids.len().min(4))) })
+                } else {
+                    None
+                };
+                let extra = then.as_ref().and_then(|t| t.cut).unwrap_or(0);
+                (RequestPrompt::Extends { of, then }, lengths[j] + s.max_tokens + extra)
+            } else if roll < 80 && lengths[j] > 1 {
+                let cut = length(rng, s, lengths[j] - 1, &[]);
+                (RequestPrompt::Back { of, cut }, cut)
+            } else {
+                (requests[j].prompt.clone(), lengths[j])
+            }
+        };
+        let when = if i == 0 {
+            RequestWhen::Now
+        } else {
+            let of = requests[rng.below(i)].name.clone();
+            match rng.below(100) {
+                0..40 => RequestWhen::Now,
+                40..85 => RequestWhen::After(of),
+                _ if stream_logprobs => RequestWhen::At(of, 1 + rng.below(s.max_tokens.max(1))),
+                _ => RequestWhen::After(of),
+            }
+        };
+        let max_tokens = rng.chance(0.3).then(|| 1 + rng.below(s.max_tokens.max(1)));
+        requests.push(Request { name, prompt, when, max_tokens });
+        lengths.push(len);
+    }
+    RequestScript { requests }
+}
+
 /// What a run of explore reports for a path that found nothing: the numbers behind "clean".
-pub fn summary(e: &Explored) -> String {
+pub fn summary<S, M>(e: &Explored<S, M>, what: &str) -> String {
     format!(
-        "{} schedules, {} operations, no failure ({:.1}s, {:.0} operations/s)",
+        "{} schedules, {} {what}, no failure ({:.1}s, {:.0} {what}/s)",
         e.schedules,
         e.ops,
         e.seconds,
@@ -409,20 +577,25 @@ pub fn summary(e: &Explored) -> String {
     )
 }
 
-/// Notes for a finding's row: the reproducer, ready to pin, and where it came from.
-pub fn notes(f: &Finding, e: &Explored) -> Vec<String> {
+/// Notes for a finding's row: the reproducer, ready to pin (`key`: `ops` for a stepped
+/// engine's script, `requests` for a server's), and where it came from; `what` the script's
+/// items are called, `len` how many it has.
+pub fn notes<S: std::fmt::Display, M>(
+    f: &Finding<S, M>,
+    e: &Explored<S, M>,
+    len: impl Fn(&S) -> usize,
+    what: &str,
+    key: &str,
+) -> Vec<String> {
+    let quoted = f.shrunk.to_string().replace('\\', "\\\\").replace('"', "\\\"");
     vec![
         format!("reproducer: {}", f.shrunk),
+        format!("pin it: [[scripts]] name = \"s{}\" {key} = \"{quoted}\"", f.schedule),
         format!(
-            "pin it: [[scripts]] name = \"s{}\" ops = \"{}\"",
+            "schedule s{} of {} {what} shrunk to {} in {} replays; {} schedules, {} {what} explored",
             f.schedule,
-            f.shrunk.to_string().replace('"', "\\\"")
-        ),
-        format!(
-            "schedule s{} of {} operations shrunk to {} in {} replays; {} schedules, {} operations explored",
-            f.schedule,
-            f.generated.ops.len(),
-            f.shrunk.ops.len(),
+            len(&f.generated),
+            len(&f.shrunk),
             f.replays,
             e.schedules,
             e.ops

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 
 use super::{CaseOutput, Outcome};
 use crate::engine::openai::{Completion, CompletionRequest, RequestError, RequestPath, When};
-use crate::vocab::{Prompt, Scenario, Settings};
+use crate::vocab::{Prompt, PromptCut, RequestPrompt, RequestScript, RequestWhen, Scenario, Settings};
 
 /// One report row: the requests it judges (the worst speaks for it).
 #[derive(Debug, Clone, PartialEq)]
@@ -270,4 +270,122 @@ fn unsent(s: &Schedule, r: &RowPlan, why: String) -> CaseOutput<Answers> {
 fn prompt(s: &Schedule, r: &RowPlan) -> Prompt {
     let ids = r.measured.first().map(|&m| s.requests[m].ids.clone()).unwrap_or_default();
     Prompt { name: r.prompt.clone(), ids }
+}
+
+/// A request script as one schedule on `path` (a fresh server), its requests one case named
+/// `name`: every request measured, each beside the reference answer to its prompt alone.
+/// `reference` answers a prompt alone on the reference path (computing it the first time); an
+/// `r0 + answer` request reads the answer from there. A request that names one no longer in
+/// the script (shrinking removed it) is passed over, so any subsequence of a script is a script.
+/// `stream_logprobs`: streamed answers carry logprobs; where they do not, a request that others
+/// wait on by its streamed tokens is sent twice, the copy streamed as the clock and not measured.
+pub fn run_script(
+    script: &RequestScript,
+    prompts: &[Prompt],
+    max_tokens: usize,
+    stream_logprobs: bool,
+    path: &mut dyn RequestPath,
+    reference: &mut dyn FnMut(&[u32]) -> Option<Result<Completion, String>>,
+    name: &str,
+) -> CaseOutput<Answers> {
+    let mut ids: Vec<Option<Vec<u32>>> = Vec::new();
+    let mut requests: Vec<CompletionRequest> = Vec::new();
+    // Schedule index of each script request that is sent (and of its clock copy, if any).
+    let mut index: Vec<Option<usize>> = Vec::new();
+    let mut clock: Vec<Option<usize>> = Vec::new();
+    let find = |n: &str| script.requests.iter().position(|r| r.name == n);
+    for r in &script.requests {
+        let earlier = |n: &str, ids: &[Option<Vec<u32>>]| find(n).and_then(|j| ids.get(j).cloned().flatten());
+        let prompt = match &r.prompt {
+            RequestPrompt::Prompt(p) => cut(prompts, p),
+            RequestPrompt::Back { of, cut } => earlier(of, &ids).map(|e| e[..(*cut).min(e.len())].to_vec()),
+            RequestPrompt::Extends { of, then } => earlier(of, &ids).and_then(|e| {
+                let answer = reference(&e)?.ok()?.trace.tokens;
+                let more = match then {
+                    Some(p) => cut(prompts, p)?,
+                    None => Vec::new(),
+                };
+                Some(e.iter().chain(&answer).chain(&more).copied().collect())
+            }),
+        };
+        let when = match &r.when {
+            RequestWhen::Now => Some(When::Now),
+            RequestWhen::After(of) => find(of).and_then(|j| index[j]).map(|of| When::AfterDone { of }),
+            RequestWhen::At(of, tokens) => find(of).and_then(|j| index[j].map(|_| j)).map(|j| {
+                // The clock: the request itself, streamed, where streams carry logprobs; else a
+                // streamed copy sent with it.
+                let of = match clock[j] {
+                    Some(c) => c,
+                    None if stream_logprobs => {
+                        let k = index[j].unwrap_or(0);
+                        requests[k].stream = true;
+                        clock[j] = Some(k);
+                        k
+                    }
+                    None => {
+                        let k = index[j].unwrap_or(0);
+                        requests.push(CompletionRequest { stream: true, ..requests[k].clone() });
+                        clock[j] = Some(requests.len() - 1);
+                        requests.len() - 1
+                    }
+                };
+                When::AfterTokens { of, tokens: *tokens }
+            }),
+        };
+        match (prompt.filter(|p| !p.is_empty()), when) {
+            (Some(p), Some(when)) => {
+                let max_tokens = r.max_tokens.unwrap_or(max_tokens);
+                requests.push(CompletionRequest { ids: p.clone(), max_tokens, when, stream: false });
+                index.push(Some(requests.len() - 1));
+                ids.push(Some(p));
+            }
+            _ => {
+                index.push(None);
+                ids.push(None);
+            }
+        }
+        clock.push(None);
+    }
+    let first = script.requests.iter().zip(&index).find(|(_, i)| i.is_some()).map(|(r, _)| r);
+    let row_prompt = match first.map(|r| &r.prompt) {
+        Some(RequestPrompt::Prompt(p)) => Prompt { name: p.prompt.clone(), ids: cut(prompts, p).unwrap_or_default() },
+        _ => Prompt { name: "*".into(), ids: Vec::new() },
+    };
+    let passed_over = index.iter().filter(|i| i.is_none()).count();
+    if requests.is_empty() {
+        let why = "no request of the script could be sent".to_string();
+        let measured = Answers { requests: Vec::new(), sent: 0, server_ended: None };
+        return CaseOutput::new(name, &row_prompt, measured, Outcome::Failed(why));
+    }
+    let answers = path.send(&requests);
+    let ended = if answers.iter().any(|a| a.is_err()) { path.ended_after_failure() } else { None };
+    let measured: Vec<Answer> = index
+        .iter()
+        .flatten()
+        .map(|&m| Answer {
+            index: m,
+            request: requests[m].clone(),
+            result: answers[m].clone(),
+            reference: reference(&requests[m].ids),
+        })
+        .collect();
+    let mut c = CaseOutput::new(
+        name,
+        &row_prompt,
+        Answers { requests: measured, sent: requests.len(), server_ended: ended },
+        Outcome::Ran,
+    );
+    if passed_over > 0 {
+        c.notes.push(format!(
+            "{passed_over} of {} requests named one no longer there and were passed over",
+            script.requests.len()
+        ));
+    }
+    c
+}
+
+/// A prompt's ids, cut; `None` for a prompt this checkpoint does not run.
+fn cut(prompts: &[Prompt], p: &PromptCut) -> Option<Vec<u32>> {
+    let prompt = prompts.iter().find(|q| q.name == p.prompt)?;
+    Some(prompt.ids[..p.cut.unwrap_or(prompt.ids.len()).min(prompt.ids.len())].to_vec())
 }

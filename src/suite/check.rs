@@ -13,8 +13,8 @@ use super::raw::{RawEngine, RawPath, RawScript, SettingsPatch, TolerancePatch};
 use super::{SuiteError, line_col, openai};
 use crate::dtype::DtypeSetting;
 use crate::vocab::{
-    BuiltinPath, CheckpointSpec, EngineSpec, Op, ProcessSpec, PromptSource, PromptSpec, ReferenceSpec, Scenario,
-    Script, ScriptSpec, Settings, Tolerance, Verdict,
+    BuiltinPath, CheckpointSpec, EngineSpec, Op, Pinned, ProcessSpec, PromptSource, PromptSpec, ReferenceSpec,
+    RequestPrompt, RequestScript, Scenario, Script, ScriptSpec, Settings, Tolerance, Verdict,
 };
 
 pub(super) struct Ctx<'a> {
@@ -304,8 +304,8 @@ impl Ctx<'_> {
         }
     }
 
-    /// The pinned scripts: names that become row ids (one plain component, none twice), ops
-    /// that parse, prompts the suite has.
+    /// The pinned scripts: names that become row ids (one plain component, none twice), ops or
+    /// requests that parse, prompts the suite has.
     pub(super) fn scripts(
         &self,
         raw: &[Spanned<RawScript>],
@@ -313,27 +313,64 @@ impl Ctx<'_> {
     ) -> Result<Vec<ScriptSpec>, SuiteError> {
         let mut out: Vec<ScriptSpec> = Vec::new();
         for s in raw {
+            let span = s.span();
             let s = s.get_ref();
             let name = s.name.get_ref();
             self.file_name("script name", name, s.name.span())?;
             if out.iter().any(|o| &o.name == name) {
                 return Err(self.err(s.name.span(), format!("script `{name}` is defined twice")));
             }
-            let script: Script =
-                s.ops.get_ref().parse().map_err(|e: String| self.err(s.ops.span(), format!("script `{name}`: {e}")))?;
-            for op in &script.ops {
-                let named = match op {
-                    Op::Create { stream, .. } => Some(&stream.prompt),
-                    Op::Share { then, .. } => Some(&then.prompt),
-                    _ => None,
-                };
-                if let Some(p) = named.filter(|p| !prompts.iter().any(|q| &q.name == *p)) {
-                    return Err(self.err(s.ops.span(), format!("script `{name}`: unknown prompt `{p}`")));
+            let known = |p: &str, at: Range<usize>| -> Result<(), SuiteError> {
+                if prompts.iter().any(|q| q.name == p) {
+                    Ok(())
+                } else {
+                    Err(self.err(at, format!("script `{name}`: unknown prompt `{p}`")))
                 }
-            }
-            if !script.ops.iter().any(|op| matches!(op, Op::Create { .. })) {
-                return Err(self.err(s.ops.span(), format!("script `{name}` creates no sequence, so it tests nothing")));
-            }
+            };
+            let script = match (&s.ops, &s.requests) {
+                (Some(ops), None) => {
+                    let script: Script = ops
+                        .get_ref()
+                        .parse()
+                        .map_err(|e: String| self.err(ops.span(), format!("script `{name}`: {e}")))?;
+                    for op in &script.ops {
+                        match op {
+                            Op::Create { stream, .. } => known(&stream.prompt, ops.span())?,
+                            Op::Share { then, .. } => known(&then.prompt, ops.span())?,
+                            _ => {}
+                        }
+                    }
+                    if !script.ops.iter().any(|op| matches!(op, Op::Create { .. })) {
+                        return Err(
+                            self.err(ops.span(), format!("script `{name}` creates no sequence, so it tests nothing"))
+                        );
+                    }
+                    Pinned::Steps(script)
+                }
+                (None, Some(requests)) => {
+                    let script: RequestScript = requests
+                        .get_ref()
+                        .parse()
+                        .map_err(|e: String| self.err(requests.span(), format!("script `{name}`: {e}")))?;
+                    for r in &script.requests {
+                        match &r.prompt {
+                            RequestPrompt::Prompt(p) | RequestPrompt::Extends { then: Some(p), .. } => {
+                                known(&p.prompt, requests.span())?
+                            }
+                            _ => {}
+                        }
+                    }
+                    Pinned::Requests(script)
+                }
+                _ => {
+                    return Err(self.err(
+                        span,
+                        format!(
+                            "script `{name}`: give exactly one of `ops` (a stepped engine) or `requests` (a server)"
+                        ),
+                    ));
+                }
+            };
             out.push(ScriptSpec { name: name.clone(), script });
         }
         Ok(out)

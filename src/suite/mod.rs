@@ -182,9 +182,11 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             cx.scripts_named(list, &scripts)?;
         }
         let scenarios = match (&c.scenarios, &raw.scenarios) {
-            (Some(s), _) => openai::scenarios_for(&cx, &engine, cx.scenarios(s)?, Some(s), span.clone())?,
-            (None, Some(s)) => openai::scenarios_for(&cx, &engine, suite_scenarios.clone(), Some(s), span.clone())?,
-            (None, None) => openai::scenarios_for(&cx, &engine, suite_scenarios.clone(), None, span.clone())?,
+            (Some(s), _) => openai::scenarios_for(&cx, &engine, cx.scenarios(s)?, Some(s), span.clone(), &scripts)?,
+            (None, Some(s)) => {
+                openai::scenarios_for(&cx, &engine, suite_scenarios.clone(), Some(s), span.clone(), &scripts)?
+            }
+            (None, None) => openai::scenarios_for(&cx, &engine, suite_scenarios.clone(), None, span.clone(), &scripts)?,
         };
         let spec = CheckpointSpec {
             name,

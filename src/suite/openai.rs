@@ -7,7 +7,8 @@ use toml::Spanned;
 use super::raw::{RawEngine, RawPath};
 use super::{Ctx, SuiteError, expand_env};
 use crate::vocab::{
-    EngineSpec, OpenaiPath, OpenaiSpec, PromptForm, REQUEST_LEVEL, RESERVED_FIELDS, STEP_LEVEL, Scenario, ServerSpec,
+    EngineSpec, OpenaiPath, OpenaiSpec, Pinned, PromptForm, REQUEST_LEVEL, RESERVED_FIELDS, STEP_LEVEL, Scenario,
+    ScriptSpec, ServerSpec,
 };
 
 pub(super) fn parse(cx: &Ctx, raw: &Spanned<RawEngine>) -> Result<EngineSpec, SuiteError> {
@@ -130,13 +131,26 @@ pub(super) fn scenarios_for(
     scenarios: Vec<Scenario>,
     written: Option<&Vec<Spanned<String>>>,
     checkpoint: std::ops::Range<usize>,
+    scripts: &[ScriptSpec],
 ) -> Result<Vec<Scenario>, SuiteError> {
     let openai = matches!(engine, EngineSpec::Openai(_));
-    if openai && written.is_none() {
-        return Ok(REQUEST_LEVEL.to_vec());
+    // Pinned scripts of this engine's kind: a server's are requests, a stepped engine's ops.
+    let pinned = scripts.iter().any(|s| matches!(s.script, Pinned::Requests(_)) == openai);
+    let mut scenarios = match written {
+        None if openai => REQUEST_LEVEL.to_vec(),
+        None => scenarios.into_iter().filter(|&s| s != Scenario::Script).collect(),
+        Some(_) => scenarios,
+    };
+    if written.is_none() && pinned {
+        scenarios.push(Scenario::Script);
     }
-    let stepped: Vec<Scenario> = STEP_LEVEL.iter().copied().chain([Scenario::Script]).collect();
-    let allowed: &[Scenario] = if openai { REQUEST_LEVEL } else { &stepped };
+    let allowed: Vec<Scenario> =
+        if openai { REQUEST_LEVEL } else { STEP_LEVEL }.iter().copied().chain([Scenario::Script]).collect();
+    if let Some(i) = scenarios.iter().position(|&s| s == Scenario::Script).filter(|_| !pinned) {
+        let span = written.and_then(|w| w.get(i)).map(|w| w.span()).unwrap_or(checkpoint.clone());
+        let kind = if openai { "`requests` (a server's)" } else { "`ops` (a stepped engine's)" };
+        return Err(cx.err(span, format!("scenario `script`: the suite pins no {kind} scripts for this engine")));
+    }
     for (i, s) in scenarios.iter().enumerate() {
         if !allowed.contains(s) {
             let span = written.and_then(|w| w.get(i)).map(|w| w.span()).unwrap_or(checkpoint);

@@ -31,7 +31,10 @@ pub(super) struct RawSuite {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawScript {
     pub(super) name: Spanned<String>,
-    pub(super) ops: Spanned<String>,
+    /// A stepped engine's operations.
+    pub(super) ops: Option<Spanned<String>>,
+    /// A server's requests.
+    pub(super) requests: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]

@@ -13,10 +13,10 @@ mod verdict;
 
 pub use path::{BuiltinPath, EngineId};
 pub use scenario::{Arrival, ConcurrentSettings, REQUEST_LEVEL, STEP_LEVEL, Scenario, Settings};
-pub use script::{Op, PromptCut, Script};
+pub use script::{Op, PromptCut, Request, RequestPrompt, RequestScript, RequestWhen, Script};
 pub use suite::{
-    CheckpointSpec, EngineSpec, LOOPBACK, OpenaiPath, OpenaiSpec, ProcessSpec, PromptForm, PromptSource, PromptSpec,
-    RESERVED_FIELDS, ReferenceSpec, ScriptSpec, ServerSpec, Suite, Tolerance, default_tolerance,
+    CheckpointSpec, EngineSpec, LOOPBACK, OpenaiPath, OpenaiSpec, Pinned, ProcessSpec, PromptForm, PromptSource,
+    PromptSpec, RESERVED_FIELDS, ReferenceSpec, ScriptSpec, ServerSpec, Suite, Tolerance, default_tolerance,
 };
 pub use trace::{LogprobTrace, PathTrace, Prompt, StepLayout, Trace};
 pub use verdict::Verdict;

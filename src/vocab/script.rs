@@ -17,6 +17,17 @@
 //! Each sequence reads a fixed token stream: its prompt (or a donor's first rows and then a
 //! prompt), followed by the reference's greedy continuation. Every logits row a path returns
 //! is compared with the reference's logits for the same stream prefix.
+//!
+//! A server cannot be stepped: its scripts are [`RequestScript`]s, requests sent when their
+//! condition holds, each compared with the reference path's answer to its prompt alone.
+//!
+//! ```text
+//! r0 = trim37[:20]                 sent at once
+//! r1 = japan at r0+3               once r0 has streamed 3 tokens
+//! r2 = r0 + answer after r0        r0's prompt and its answer, once r0 ended (a cache hit)
+//! r3 = r0 + answer + japan[:2] after r1
+//! r4 = r0[:12] after r2 max 4      r0's prompt cut back to 12 tokens, 4 tokens asked for
+//! ```
 
 use std::fmt;
 
@@ -199,6 +210,154 @@ fn positive(s: &str, what: &str) -> Result<usize, String> {
     }
 }
 
+/// What a request sends as its prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestPrompt {
+    /// `trim37[:20]`.
+    Prompt(PromptCut),
+    /// `r0 + answer [+ PROMPT]`: an earlier request's prompt and the reference's answer to it
+    /// (a conversation going on: a prompt cache holds all of it but the new part).
+    Extends { of: String, then: Option<PromptCut> },
+    /// `r0[:12]`: the first tokens of an earlier request's prompt (a cached sequence cut back).
+    Back { of: String, cut: usize },
+}
+
+/// When a request is sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestWhen {
+    Now,
+    /// `after r0`: once r0 has ended.
+    After(String),
+    /// `at r0+3`: once r0 has streamed 3 tokens (r0 is sent streamed).
+    At(String, usize),
+}
+
+/// One request of a request script.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub name: String,
+    pub prompt: RequestPrompt,
+    pub when: RequestWhen,
+    /// Tokens asked for (`max N`); `None`: the suite's `max_tokens`.
+    pub max_tokens: Option<usize>,
+}
+
+impl Request {
+    /// The earlier requests this one names.
+    pub fn names(&self) -> Vec<&str> {
+        let mut out = vec![self.name.as_str()];
+        match &self.prompt {
+            RequestPrompt::Extends { of, .. } | RequestPrompt::Back { of, .. } => out.push(of),
+            RequestPrompt::Prompt(_) => {}
+        }
+        match &self.when {
+            RequestWhen::After(of) | RequestWhen::At(of, _) => out.push(of),
+            RequestWhen::Now => {}
+        }
+        out
+    }
+}
+
+/// Requests sent to one fresh server, each when its condition holds.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RequestScript {
+    pub requests: Vec<Request>,
+}
+
+impl fmt::Display for Request {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} = ", self.name)?;
+        match &self.prompt {
+            RequestPrompt::Prompt(p) => write!(f, "{p}")?,
+            RequestPrompt::Extends { of, then: None } => write!(f, "{of} + answer")?,
+            RequestPrompt::Extends { of, then: Some(p) } => write!(f, "{of} + answer + {p}")?,
+            RequestPrompt::Back { of, cut } => write!(f, "{of}[:{cut}]")?,
+        }
+        match &self.when {
+            RequestWhen::Now => {}
+            RequestWhen::After(of) => write!(f, " after {of}")?,
+            RequestWhen::At(of, t) => write!(f, " at {of}+{t}")?,
+        }
+        if let Some(n) = self.max_tokens {
+            write!(f, " max {n}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for RequestScript {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let requests: Vec<String> = self.requests.iter().map(ToString::to_string).collect();
+        f.write_str(&requests.join("; "))
+    }
+}
+
+impl std::str::FromStr for RequestScript {
+    type Err = String;
+
+    /// Requests separated by `;` or newlines; `#` starts a comment. A request may only name
+    /// requests before it.
+    fn from_str(text: &str) -> Result<RequestScript, String> {
+        let mut requests: Vec<Request> = Vec::new();
+        let parts = text.lines().flat_map(|l| l.split('#').next().unwrap_or_default().split(';'));
+        for (i, part) in parts.map(str::trim).filter(|p| !p.is_empty()).enumerate() {
+            let mut r = parse_request(part).map_err(|e| format!("request {} `{part}`: {e}", i + 1))?;
+            // `r0[:12]` cuts an earlier request's prompt back: request names come before the
+            // suite's prompt names.
+            if let RequestPrompt::Prompt(PromptCut { prompt, cut: Some(cut) }) = &r.prompt
+                && requests.iter().any(|q| &q.name == prompt)
+            {
+                r.prompt = RequestPrompt::Back { of: prompt.clone(), cut: *cut };
+            }
+            if requests.iter().any(|q| q.name == r.name) {
+                return Err(format!("request {} `{part}`: `{}` is defined twice", i + 1, r.name));
+            }
+            if let Some(unknown) = r.names().into_iter().skip(1).find(|n| !requests.iter().any(|q| q.name == *n)) {
+                return Err(format!("request {} `{part}`: `{unknown}` is not an earlier request", i + 1));
+            }
+            requests.push(r);
+        }
+        if requests.is_empty() {
+            return Err("no requests".into());
+        }
+        Ok(RequestScript { requests })
+    }
+}
+
+fn parse_request(s: &str) -> Result<Request, String> {
+    let (name, rhs) = s.split_once('=').ok_or("a request is `r0 = PROMPT [after rN | at rN+T] [max N]`")?;
+    let name = self::name(name.trim())?;
+    let mut rest = rhs.trim();
+    let mut max_tokens = None;
+    if let Some((before, n)) = rest.rsplit_once(" max ") {
+        max_tokens = Some(positive(n.trim(), "max")?);
+        rest = before.trim();
+    }
+    let mut when = RequestWhen::Now;
+    if let Some((before, of)) = rest.rsplit_once(" after ") {
+        when = RequestWhen::After(self::name(of.trim())?);
+        rest = before.trim();
+    } else if let Some((before, at)) = rest.rsplit_once(" at ") {
+        let (of, t) = at.trim().split_once('+').ok_or("`at` is `at rN+TOKENS`")?;
+        when = RequestWhen::At(self::name(of.trim())?, positive(t.trim(), "tokens")?);
+        rest = before.trim();
+    }
+    let prompt = if let Some((of, more)) = rest.split_once('+') {
+        let more = more.trim();
+        let then = match more.strip_prefix("answer") {
+            Some("") => None,
+            Some(tail) => Some(prompt_cut(
+                tail.trim().strip_prefix('+').ok_or("after `answer` only `+ PROMPT` may follow")?.trim(),
+            )?),
+            None => return Err("an extension is `rN + answer [+ PROMPT]`".into()),
+        };
+        RequestPrompt::Extends { of: self::name(of.trim())?, then }
+    } else {
+        RequestPrompt::Prompt(prompt_cut(rest)?)
+    };
+    Ok(Request { name, prompt, when, max_tokens })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,6 +376,26 @@ mod tests {
     fn newlines_and_comments_separate_like_semicolons() {
         let s: Script = "a = p  # the donor\nprefill a 5\n\nstep a".parse().expect("parses");
         assert_eq!(s.to_string(), "a = p; prefill a 5; step a");
+    }
+
+    #[test]
+    fn a_request_script_prints_as_it_parses() {
+        let text = "r0 = trim37[:20]; r1 = japan at r0+3; r2 = r0 + answer after r0; \
+                    r3 = r0 + answer + japan[:2] after r1; r4 = r0[:12] after r2 max 4";
+        let script: RequestScript = text.parse().expect("parses");
+        assert_eq!(script.requests.len(), 5);
+        assert_eq!(script.requests[4].prompt, RequestPrompt::Back { of: "r0".into(), cut: 12 });
+        assert_eq!(script.to_string(), text);
+        for (bad, says) in [
+            ("r0 = p; r0 = q", "defined twice"),
+            ("r0 = p after r1", "not an earlier request"),
+            ("r0 = p; r1 = r0 + p", "rN + answer"),
+            ("r0 = p; r1 = q at r0", "at rN+TOKENS"),
+            ("r0 = p max 0", "max: must be positive"),
+        ] {
+            let e = bad.parse::<RequestScript>().expect_err(bad);
+            assert!(e.contains(says), "{bad}: {e}");
+        }
     }
 
     #[test]

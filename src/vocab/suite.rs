@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 
 use super::audit::{Problem, lengths_problem, request_level_problems, settings_problems};
-use super::{BuiltinPath, Scenario, Script, Settings, Verdict};
+use super::{BuiltinPath, RequestScript, Scenario, Script, Settings, Verdict};
 use crate::dtype::DtypeSetting;
 use crate::kv::Backend;
 
@@ -232,7 +232,39 @@ pub struct Suite {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScriptSpec {
     pub name: String,
-    pub script: Script,
+    pub script: Pinned,
+}
+
+/// What a pinned script drives: a stepped engine's operations (`ops = "..."`) or a server's
+/// requests (`requests = "..."`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Pinned {
+    Steps(Script),
+    Requests(RequestScript),
+}
+
+impl Suite {
+    /// The pinned scripts for a stepped engine, by name.
+    pub fn step_scripts(&self) -> Vec<(String, Script)> {
+        self.scripts
+            .iter()
+            .filter_map(|s| match &s.script {
+                Pinned::Steps(script) => Some((s.name.clone(), script.clone())),
+                Pinned::Requests(_) => None,
+            })
+            .collect()
+    }
+
+    /// The pinned scripts for a server, by name.
+    pub fn request_scripts(&self) -> Vec<(String, RequestScript)> {
+        self.scripts
+            .iter()
+            .filter_map(|s| match &s.script {
+                Pinned::Requests(script) => Some((s.name.clone(), script.clone())),
+                Pinned::Steps(_) => None,
+            })
+            .collect()
+    }
 }
 
 impl CheckpointSpec {

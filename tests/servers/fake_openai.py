@@ -9,6 +9,8 @@ first entry presented as the chosen token), and misbehaves on request:
   --mode ok | exit-at-start | never-ready | die-after N | http500 | malformed | no-logprobs
          | perturb X (add X to every logprob) | flip-at K (pick the runner-up at step K)
          | batch-flip (pick the runner-up at step 1 whenever two requests are in flight)
+         | covered-crash (drop the connection, unanswered, when the prompt cache holds the whole
+           prompt: mlx_lm.server 0.32.2's bug)
   --stream-logprobs     streamed chunks carry logprobs (llama-server style)
   --count-off N         report usage.prompt_tokens off by N (a tokenizer that disagrees)
   --token-delay S       seconds per generated token (lets concurrent requests overlap)
@@ -133,6 +135,10 @@ class Handler(BaseHTTPRequestHandler):
         prompt = body["prompt"]
         ids = prompt if isinstance(prompt, list) else list(prompt.encode("utf-8"))
         k = int(body.get("top_logprobs", 5))
+        if args.mode == "covered-crash" and cached(ids) >= len(ids):
+            print("fake_openai: ValueError: the cache holds the whole prompt", file=sys.stderr, flush=True)
+            self.close_connection = True
+            return
         usage = {"prompt_tokens": len(ids) + args.count_off, "completion_tokens": 0,
                  "prompt_tokens_details": {"cached_tokens": cached(ids)}}
         out = []
