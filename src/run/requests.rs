@@ -14,11 +14,11 @@ use super::{
     Cell, Progress, Resolved, RunOptions, blanket_rows, cell_row, each_cell, encode_all, encoded_ids, unencoded_rows,
 };
 use crate::engine::Dirs;
-use crate::engine::openai::{Completion, ServerPath};
+use crate::engine::openai::ServerPath;
 use crate::report::{CheckpointReport, CheckpointStatus, Phase, Row};
 use crate::rng::Rng;
 use crate::scenario::explore::{self, Budget};
-use crate::scenario::requests::{self, Answers, Inputs, References, Schedule};
+use crate::scenario::requests::{self, AnswerAlone, Answers, Inputs, References, Schedule};
 use crate::scenario::{CaseOutput, Outcome};
 use crate::vocab::{EngineId, OpenaiSpec, Prompt, RequestScript, Scenario, Verdict};
 
@@ -165,7 +165,7 @@ fn explore<'a>(
     budget: &Budget,
     judge: &Judge,
     start: &dyn Fn(&str) -> Result<ServerPath<'a>, String>,
-    answer: &mut dyn FnMut(&[u32]) -> Option<Result<Completion, String>>,
+    answer: &mut AnswerAlone,
     max_tokens: usize,
 ) -> Vec<Row> {
     let settings = &judge.spec.settings;
@@ -206,7 +206,7 @@ fn scripted_case<'a>(
     name: &str,
     judge: &Judge,
     start: &dyn Fn(&str) -> Result<ServerPath<'a>, String>,
-    answer: &mut dyn FnMut(&[u32]) -> Option<Result<Completion, String>>,
+    answer: &mut AnswerAlone,
     max_tokens: usize,
 ) -> CaseOutput<Answers> {
     match start(judge.cell.scenario.name()) {

@@ -70,6 +70,13 @@ pub struct Explored<S, M> {
     pub shrink_seconds: f64,
 }
 
+/// Runs a script as the case it names, and says how many of its operations applied.
+pub type RunScript<'a, S, M> = dyn FnMut(&S, &str) -> (CaseOutput<M>, usize) + 'a;
+
+/// Shrinks a script while a replay says it still fails, within a number of replays; gives the
+/// smallest and the replays it took ([`shrink`], [`shrink_requests`]).
+pub type Shrink<S> = dyn Fn(&S, &mut dyn FnMut(&S) -> bool, usize) -> (S, usize);
+
 /// The loop both kinds of engine explore with: schedule `k` generated from its own seeded
 /// stream, run, judged by `fails` (its failure signature, or `None` when it passes); a failure
 /// not seen before on this path is shrunk while it fails the same way, then run once more as
@@ -79,9 +86,9 @@ pub fn explore_with<S: Clone, M>(
     budget: &Budget,
     label: &[&str],
     generate: &mut dyn FnMut(&mut Rng) -> S,
-    run: &mut dyn FnMut(&S, &str) -> (CaseOutput<M>, usize),
+    run: &mut RunScript<S, M>,
     fails: &mut dyn FnMut(&CaseOutput<M>) -> Option<String>,
-    shrink: &dyn Fn(&S, &mut dyn FnMut(&S) -> bool, usize) -> (S, usize),
+    shrink: &Shrink<S>,
 ) -> Explored<S, M> {
     let started = Instant::now();
     let mut out = Explored { schedules: 0, ops: 0, findings: Vec::new(), seconds: 0.0, shrink_seconds: 0.0 };

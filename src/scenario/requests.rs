@@ -179,6 +179,10 @@ fn prefix(prompts: &[Prompt], inp: &Inputs) -> Vec<Schedule> {
 /// request is compared with. An error is why that prompt has no reference.
 pub type References = HashMap<Vec<u32>, Result<Completion, String>>;
 
+/// The reference path's answer to a prompt sent alone (computed the first time it is asked
+/// for); `None` when there is none to give.
+pub type AnswerAlone<'a> = dyn FnMut(&[u32]) -> Option<Result<Completion, String>> + 'a;
+
 /// Send each of `prompts` not yet answered alone on the reference path, `max_tokens` long.
 pub fn answer_alone(path: &mut dyn RequestPath, prompts: &[Vec<u32>], max_tokens: usize, out: &mut References) {
     for ids in prompts {
@@ -285,7 +289,7 @@ pub fn run_script(
     max_tokens: usize,
     stream_logprobs: bool,
     path: &mut dyn RequestPath,
-    reference: &mut dyn FnMut(&[u32]) -> Option<Result<Completion, String>>,
+    reference: &mut AnswerAlone,
     name: &str,
 ) -> CaseOutput<Answers> {
     let mut ids: Vec<Option<Vec<u32>>> = Vec::new();
