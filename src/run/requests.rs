@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::judge::{self, Judge};
 use super::{
@@ -17,7 +17,7 @@ use crate::engine::Dirs;
 use crate::engine::openai::ServerPath;
 use crate::report::{CheckpointReport, CheckpointStatus, Phase, Row};
 use crate::rng::Rng;
-use crate::scenario::explore::{self, Budget};
+use crate::scenario::explore::{self, Budget, Spent};
 use crate::scenario::requests::{self, AnswerAlone, Answers, Inputs, References, Schedule};
 use crate::scenario::{CaseOutput, Outcome};
 use crate::vocab::{EngineId, OpenaiSpec, Prompt, RequestScript, Scenario, Verdict};
@@ -171,10 +171,21 @@ fn explore<'a>(
     let settings = &judge.spec.settings;
     let label = [judge.spec.name.as_str(), judge.cell.path.as_str()];
     let mut generate = |rng: &mut Rng| explore::generate_requests(rng, prompts, settings, o.stream_logprobs, budget);
+    // The engine's time: its server starting and answering; the reference's: answers alone
+    // computed for the first time.
     let mut run = |s: &RequestScript, name: &str| {
-        let case = scripted_case(o, prompts, s, name, judge, start, answer, max_tokens);
-        let sent = case.measured.requests.len();
-        (case, sent)
+        let mut reference = Duration::ZERO;
+        let mut timed = |ids: &[u32]| {
+            let t = Instant::now();
+            let a = answer(ids);
+            reference += t.elapsed();
+            a
+        };
+        let t = Instant::now();
+        let case = scripted_case(o, prompts, s, name, judge, start, &mut timed, max_tokens);
+        let engine = t.elapsed().saturating_sub(reference);
+        let ops = case.measured.requests.len();
+        (case, Spent { ops, engine, reference })
     };
     let mut fails = |c: &CaseOutput<Answers>| judge::signature(&judge.requests(c));
     let explored =

@@ -66,12 +66,25 @@ pub struct Explored<S, M> {
     pub ops: usize,
     pub findings: Vec<Finding<S, M>>,
     pub seconds: f64,
-    /// Of which: replaying candidates while shrinking.
+    /// Of `seconds`: inside the path's engine, on the reference path, judging cases, and
+    /// shrinking (replays included, so it overlaps the first two).
+    pub engine_seconds: f64,
+    pub reference_seconds: f64,
+    pub judge_seconds: f64,
     pub shrink_seconds: f64,
 }
 
+/// What one run of a script cost: operations applied, time inside the engine, time on the
+/// reference path.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Spent {
+    pub ops: usize,
+    pub engine: Duration,
+    pub reference: Duration,
+}
+
 /// Runs a script as the case it names, and says how many of its operations applied.
-pub type RunScript<'a, S, M> = dyn FnMut(&S, &str) -> (CaseOutput<M>, usize) + 'a;
+pub type RunScript<'a, S, M> = dyn FnMut(&S, &str) -> (CaseOutput<M>, Spent) + 'a;
 
 /// Shrinks a script while a replay says it still fails, within a number of replays; gives the
 /// smallest and the replays it took ([`shrink`], [`shrink_requests`]).
@@ -91,7 +104,22 @@ pub fn explore_with<S: Clone, M>(
     shrink: &Shrink<S>,
 ) -> Explored<S, M> {
     let started = Instant::now();
-    let mut out = Explored { schedules: 0, ops: 0, findings: Vec::new(), seconds: 0.0, shrink_seconds: 0.0 };
+    let mut out = Explored {
+        schedules: 0,
+        ops: 0,
+        findings: Vec::new(),
+        seconds: 0.0,
+        engine_seconds: 0.0,
+        reference_seconds: 0.0,
+        judge_seconds: 0.0,
+        shrink_seconds: 0.0,
+    };
+    let mut judge = |c: &CaseOutput<M>, out: &mut Explored<S, M>| {
+        let t = Instant::now();
+        let verdict = fails(c);
+        out.judge_seconds += t.elapsed().as_secs_f64();
+        verdict
+    };
     let limit = budget.schedules.unwrap_or(if budget.time.is_some() { usize::MAX } else { 100 });
     for k in 0..limit {
         if budget.time.is_some_and(|t| started.elapsed() >= t) || out.findings.len() >= budget.findings {
@@ -102,18 +130,22 @@ pub fn explore_with<S: Clone, M>(
             [seed.as_str()].into_iter().chain(label.iter().copied()).chain([index.as_str()]).collect();
         let generated = generate(&mut Rng::from_parts(&parts));
         let name = format!("s{k}");
-        let (case, applied) = run(&generated, &name);
+        let (case, spent) = run(&generated, &name);
         out.schedules += 1;
-        out.ops += applied;
-        let Some(signature) = fails(&case) else { continue };
+        out.ops += spent.ops;
+        out.engine_seconds += spent.engine.as_secs_f64();
+        out.reference_seconds += spent.reference.as_secs_f64();
+        let Some(signature) = judge(&case, &mut out) else { continue };
         if out.findings.iter().any(|f| f.signature == signature) {
             continue;
         }
         let t = Instant::now();
         let mut last = case;
         let mut replay = |s: &S| {
-            let (c, _) = run(s, &name);
-            let same = fails(&c).as_deref() == Some(signature.as_str());
+            let (c, spent) = run(s, &name);
+            out.engine_seconds += spent.engine.as_secs_f64();
+            out.reference_seconds += spent.reference.as_secs_f64();
+            let same = judge(&c, &mut out).as_deref() == Some(signature.as_str());
             if same {
                 last = c;
             }
@@ -146,7 +178,7 @@ pub fn explore(
     let mut generate = |rng: &mut Rng| generate(rng, prompts, &settings, &info, budget, context);
     let mut run = |s: &Script, name: &str| {
         let (case, ran) = script::run_counted(setup, path, s, prompts, name);
-        (case, ran.applied)
+        (case, Spent { ops: ran.applied, engine: ran.engine, reference: ran.reference })
     };
     explore_with(budget, label, &mut generate, &mut run, fails, &shrink)
 }
@@ -575,12 +607,23 @@ pub fn generate_requests(
 
 /// What a run of explore reports for a path that found nothing: the numbers behind "clean".
 pub fn summary<S, M>(e: &Explored<S, M>, what: &str) -> String {
+    format!("{} schedules, {} {what}, no failure; {}", e.schedules, e.ops, time(e, what))
+}
+
+/// Where the time went: the rate, and the shares inside the engine, on the reference path,
+/// judging, and the rest (generating, parity's own bookkeeping between operations).
+pub fn time<S, M>(e: &Explored<S, M>, what: &str) -> String {
+    let total = e.seconds.max(1e-9);
+    let share = |x: f64| 100.0 * x / total;
+    let rest = (e.seconds - e.engine_seconds - e.reference_seconds - e.judge_seconds).max(0.0);
     format!(
-        "{} schedules, {} {what}, no failure ({:.1}s, {:.0} {what}/s)",
-        e.schedules,
-        e.ops,
+        "{:.1}s, {:.1} {what}/s; engine {:.0}%, reference {:.0}%, judging {:.0}%, the rest {:.0}%",
         e.seconds,
-        e.ops as f64 / e.seconds.max(1e-9)
+        e.ops as f64 / total,
+        share(e.engine_seconds),
+        share(e.reference_seconds),
+        share(e.judge_seconds),
+        share(rest)
     )
 }
 
@@ -599,13 +642,14 @@ pub fn notes<S: std::fmt::Display, M>(
         format!("reproducer: {}", f.shrunk),
         format!("pin it: [[scripts]] name = \"s{}\" {key} = \"{quoted}\"", f.schedule),
         format!(
-            "schedule s{} of {} {what} shrunk to {} in {} replays; {} schedules, {} {what} explored",
+            "schedule s{} of {} {what} shrunk to {} in {} replays; {} schedules, {} {what} explored; {}",
             f.schedule,
             len(&f.generated),
             len(&f.shrunk),
             f.replays,
             e.schedules,
-            e.ops
+            e.ops,
+            time(e, what)
         ),
     ]
 }

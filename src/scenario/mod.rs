@@ -25,11 +25,12 @@ pub mod single;
 
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
+use std::time::{Duration, Instant};
 
 use mlx_rs::Array;
 
 use crate::array::{greedy, require_finite, rows};
-use crate::engine::{self, EnginePath, PathInfo, Session};
+use crate::engine::{self, EnginePath, PathInfo, Session, ShareMode};
 use crate::error::{Error, Result};
 use crate::faults::Faults;
 use crate::kv::{KvStats, SeqId};
@@ -185,20 +186,28 @@ pub struct Setup<'r> {
     floors: BTreeMap<String, Option<f32>>,
     /// Reference streams (a script's sequences), by their fixed tokens.
     streams: HashMap<Vec<u32>, Rc<Stream>>,
+    /// The reference's last logits and choice after a prefix prefilled whole (a script's feed
+    /// that ends inside the fixed tokens), by the prefix.
+    prefixes: HashMap<Vec<u32>, (Array, u32)>,
     /// The rows (prompt name, case) this run wants; `None`: all of them.
     select: Option<Selector<'r>>,
     /// The suite's pinned scripts, by name (the `script` scenario).
     pub scripts: Vec<(String, Script)>,
+    /// Time spent on the reference path so far (references, streams, noise floors).
+    reference_time: Duration,
 }
 
 /// A token stream as the reference reads it: fixed tokens (a prompt, or a donor's rows and a
-/// prompt) and then the reference's greedy continuation (`max_tokens` of them); at every
-/// position, the reference's logits and greedy choice having read the stream up to there.
+/// prompt), then the reference's greedy continuation. Every token of `tokens` can be fed and
+/// compared: the reference's logits after each is [`Setup::stream_at`].
 #[derive(Debug)]
 pub struct Stream {
     pub tokens: Vec<u32>,
-    pub logits: Vec<Array>,
-    pub greedy: Vec<u32>,
+    /// How many of `tokens` are fixed.
+    pub fixed: usize,
+    /// The reference of the fixed tokens (prefilled whole, then decoded greedily): its logits
+    /// are the stream's from the last fixed token on.
+    reference: Trace,
 }
 
 /// Whether a row, named by its prompt and case, is wanted (`--filter`).
@@ -215,9 +224,16 @@ impl<'r> Setup<'r> {
             references: HashMap::new(),
             floors: BTreeMap::new(),
             streams: HashMap::new(),
+            prefixes: HashMap::new(),
             select: None,
             scripts: Vec::new(),
+            reference_time: Duration::ZERO,
         }
+    }
+
+    /// Time spent on the reference path so far.
+    pub fn reference_time(&self) -> Duration {
+        self.reference_time
     }
 
     /// Run only the cases producing rows `select` wants (each scenario still sees every
@@ -236,6 +252,7 @@ impl<'r> Setup<'r> {
         if let Some(t) = self.references.get(prompt) {
             return Ok(t.clone());
         }
+        let started = Instant::now();
         let steps = self.settings.max_tokens;
         let run = self.reference.session(Faults::NONE).and_then(|mut s| engine::generate(s.as_mut(), prompt, steps));
         // The prompt cannot run on the reference path at all: its rows fail, saying where.
@@ -247,13 +264,13 @@ impl<'r> Setup<'r> {
         // instead of a pool bug blamed on every row of the prompt.
         require_finite("reference logits", &trace.logits)?;
         self.references.insert(prompt.to_vec(), trace.clone());
+        self.reference_time += started.elapsed();
         Ok(trace)
     }
 
-    /// The reference's reading of the stream that starts with `fixed`: the reference path,
-    /// one sequence, fed one token at a time (a logits row at every position, which a chunked
-    /// prefill of the same tokens must match), then `max_tokens` greedy tokens. Computed once
-    /// per fixed part, fault-free.
+    /// The stream that starts with `fixed`: its reference as [`Setup::reference`] computes it
+    /// (the reference path prefills `fixed` whole and decodes `max_tokens` greedy tokens), so a
+    /// script's stream and a scenario's prompt are judged against the same reference.
     pub fn stream(&mut self, fixed: &[u32]) -> Result<Rc<Stream>> {
         if let Some(s) = self.streams.get(fixed) {
             return Ok(s.clone());
@@ -261,27 +278,40 @@ impl<'r> Setup<'r> {
         if fixed.is_empty() {
             return Err(Error::Invalid("a stream needs at least one token".into()));
         }
-        let steps = self.settings.max_tokens;
-        let mut session = self.reference.session(Faults::NONE)?;
-        let seq = session.create(0)?;
-        let mut tokens = fixed.to_vec();
-        let (mut logits, mut choices) = (Vec::new(), Vec::new());
-        let mut i = 0;
-        while i < tokens.len() {
-            let out = session.forward(&[RowStep::new(seq, vec![tokens[i]])])?;
-            let choice = greedy(&out)?[0];
-            logits.push(rows(&out)?.remove(0));
-            choices.push(choice);
-            if i + 1 == tokens.len() && tokens.len() < fixed.len() + steps {
-                tokens.push(choice);
-            }
-            i += 1;
-        }
-        drop(session);
-        require_finite("reference logits", &logits)?;
-        let stream = Rc::new(Stream { tokens, logits, greedy: choices });
+        let reference = self.reference(fixed)?;
+        // The last greedy token is the stream's end: no logits follow it.
+        let continuation = &reference.tokens[..reference.tokens.len().saturating_sub(1)];
+        let tokens = fixed.iter().chain(continuation).copied().collect();
+        let stream = Rc::new(Stream { tokens, fixed: fixed.len(), reference });
         self.streams.insert(fixed.to_vec(), stream.clone());
         Ok(stream)
+    }
+
+    /// The reference's logits and greedy choice having read `stream` up to position `p`. From
+    /// the last fixed token on they are the stream's reference; inside the fixed tokens, the
+    /// reference path prefills the first `p + 1` of them whole (once per prefix).
+    pub fn stream_at(&mut self, stream: &Stream, p: usize) -> Result<(Array, u32)> {
+        if let Some(k) = (p + 1).checked_sub(stream.fixed) {
+            let r = &stream.reference;
+            return match (r.logits.get(k), r.tokens.get(k)) {
+                (Some(l), Some(&t)) => Ok((l.clone(), t)),
+                _ => Err(Error::Invalid(format!("position {p} is past the stream's end"))),
+            };
+        }
+        let prefix = &stream.tokens[..=p];
+        if let Some(hit) = self.prefixes.get(prefix) {
+            return Ok(hit.clone());
+        }
+        let started = Instant::now();
+        let mut session = self.reference.session(Faults::NONE)?;
+        let seq = session.create(0)?;
+        let out = session.forward(&[RowStep::new(seq, prefix.to_vec())])?;
+        let hit = (rows(&out)?.remove(0), greedy(&out)?[0]);
+        drop(session);
+        require_finite("reference logits", std::slice::from_ref(&hit.0))?;
+        self.prefixes.insert(prefix.to_vec(), hit.clone());
+        self.reference_time += started.elapsed();
+        Ok(hit)
     }
 
     /// The noise floor of a row's base prompt (`p` of `p/shared7`), measured once per prompt:
@@ -433,6 +463,58 @@ pub fn trim_exact(s: &mut dyn Session, seq: SeqId, n: usize) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// A session that counts the time spent inside the engine: what explore reports as the
+/// engine's share of its time (the rest is parity's: generating, comparing, shrinking).
+pub struct Timed<'a> {
+    inner: Box<dyn Session + 'a>,
+    pub spent: Duration,
+}
+
+impl<'a> Timed<'a> {
+    pub fn new(inner: Box<dyn Session + 'a>) -> Self {
+        Timed { inner, spent: Duration::ZERO }
+    }
+
+    fn time<T>(&mut self, f: impl FnOnce(&mut dyn Session) -> T) -> T {
+        let started = Instant::now();
+        let out = f(self.inner.as_mut());
+        self.spent += started.elapsed();
+        out
+    }
+}
+
+impl Session for Timed<'_> {
+    fn create(&mut self, masked_prefix: usize) -> Result<SeqId> {
+        self.time(|s| s.create(masked_prefix))
+    }
+    fn len(&self, seq: SeqId) -> Result<usize> {
+        self.inner.len(seq)
+    }
+    fn masked_prefix(&self, seq: SeqId) -> Result<usize> {
+        self.inner.masked_prefix(seq)
+    }
+    fn forward(&mut self, rows: &[RowStep]) -> Result<Array> {
+        // The logits are evaluated here, inside the engine's time: MLX is lazy, and a forward
+        // whose arrays were only built would leave the engine's work to the comparison.
+        self.time(|s| s.forward(rows).and_then(|a| a.eval().map(|_| a).map_err(Error::from)))
+    }
+    fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize> {
+        self.time(|s| s.trim(seq, n))
+    }
+    fn release(&mut self, seq: SeqId) -> Result<()> {
+        self.time(|s| s.release(seq))
+    }
+    fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<(SeqId, ShareMode)>> {
+        self.time(|s| s.share_prefix(donor, rows))
+    }
+    fn stats(&mut self) -> Result<Option<KvStats>> {
+        self.time(|s| s.stats())
+    }
+    fn audit(&mut self) -> Result<Option<String>> {
+        self.time(|s| s.audit())
+    }
 }
 
 /// A case that needs `rows` sequences in one forward: skipped on a path that cannot batch them.

@@ -16,8 +16,9 @@
 
 use std::collections::BTreeMap;
 use std::rc::Rc;
+use std::time::Duration;
 
-use super::{CaseOutput, Decoded, Outcome, Setup, Stream, need_batch, need_masked_prefix, trim_exact};
+use super::{CaseOutput, Decoded, Outcome, Setup, Stream, Timed, need_batch, need_masked_prefix, trim_exact};
 use crate::array::{greedy, rows};
 use crate::engine::{EnginePath, Session};
 use crate::error::{Error, Result};
@@ -50,11 +51,16 @@ pub fn first_prompt(script: &Script, prompts: &[Prompt]) -> Option<Prompt> {
     })
 }
 
-/// What running a script did besides its case: how many operations applied.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What running a script did besides its case: how many operations applied, and where the
+/// time went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Ran {
     pub applied: usize,
     pub passed_over: usize,
+    /// Inside the path's engine.
+    pub engine: Duration,
+    /// On the reference path (streams read for the first time).
+    pub reference: Duration,
 }
 
 /// Run `script` on a fresh session of `path` as case `name`.
@@ -78,7 +84,10 @@ pub fn run_counted(
 ) -> (CaseOutput, Ran) {
     let prompt = first_prompt(script, prompts).unwrap_or(Prompt { name: "*".into(), ids: Vec::new() });
     let mut ran = Ran::default();
-    match execute(setup, path, script, prompts, &mut ran) {
+    let reference_before = setup.reference_time();
+    let outcome = execute(setup, path, script, prompts, &mut ran);
+    ran.reference = setup.reference_time() - reference_before;
+    match outcome {
         Ok(mut c) => {
             c.case = name.to_string();
             c.prompt = prompt;
@@ -148,7 +157,7 @@ fn execute(
     let at = |i: usize| move |e: Error| (Some(i), e);
     let info = path.info().clone();
     let pad = setup.pad_token;
-    let mut s = path.session(setup.faults).map_err(|e| (None, e))?;
+    let mut s = Timed::new(path.session(setup.faults).map_err(|e| (None, e))?);
     let mut live: BTreeMap<String, Live> = BTreeMap::new();
     let mut done: Vec<Decoded> = Vec::new();
     let mut audit = None;
@@ -193,7 +202,7 @@ fn execute(
                     false
                 } else {
                     need_batch(&info, names.len()).map_err(at(i))?;
-                    match feed(s.as_mut(), &mut live, &names, *rows, pad) {
+                    match feed(&mut s, setup, &mut live, &names, *rows, pad) {
                         Ok(()) => true,
                         // A pool at its budget refusing more blocks is the engine doing its job.
                         Err(Error::PoolExhausted { .. }) => false,
@@ -203,7 +212,7 @@ fn execute(
             }
             Op::Trim { seq, rows } => match live.get_mut(seq) {
                 Some(l) if *rows <= l.fed() => {
-                    trim_exact(s.as_mut(), l.seq, *rows).map_err(at(i))?;
+                    trim_exact(&mut s, l.seq, *rows).map_err(at(i))?;
                     l.written -= rows;
                     l.rolled_back += rows;
                     true
@@ -243,6 +252,7 @@ fn execute(
     done.extend(live.into_values().map(|l| l.decoded));
     done.retain(|d| !d.trace.tokens.is_empty());
     let kv = s.stats().map_err(|e| (None, e))?;
+    ran.engine = s.spent;
     let mut c = CaseOutput::new("", &Prompt { name: String::new(), ids: Vec::new() }, done, Outcome::Ran);
     c.kv = kv;
     c.audit = audit;
@@ -263,7 +273,14 @@ fn fresh(seq: SeqId, stream: Rc<Stream>, masked: usize) -> Live {
 /// One forward in which each of `names` feeds its next `n` rows; each row's logits are
 /// recorded against the reference's at the same stream position (none while only pads were
 /// fed), and each sequence's length is checked to have moved by exactly `n`.
-fn feed(s: &mut dyn Session, live: &mut BTreeMap<String, Live>, names: &[&String], n: usize, pad: u32) -> Result<()> {
+fn feed(
+    s: &mut dyn Session,
+    setup: &mut Setup,
+    live: &mut BTreeMap<String, Live>,
+    names: &[&String],
+    n: usize,
+    pad: u32,
+) -> Result<()> {
     let steps: Vec<RowStep> =
         names.iter().map(|name| RowStep::new(live[*name].seq, live[*name].next_rows(n, pad))).collect();
     let logits = s.forward(&steps)?;
@@ -292,8 +309,9 @@ fn feed(s: &mut dyn Session, live: &mut BTreeMap<String, Live>, names: &[&String
             pads_trimmed: 0,
             rolled_back: l.rolled_back,
         });
-        d.reference.tokens.push(l.stream.greedy[p]);
-        d.reference.logits.push(l.stream.logits[p].clone());
+        let (logits, choice) = setup.stream_at(&l.stream, p)?;
+        d.reference.tokens.push(choice);
+        d.reference.logits.push(logits);
     }
     Ok(())
 }
