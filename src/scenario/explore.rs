@@ -266,16 +266,25 @@ pub fn generate(
                 }
             }
             let most = names.iter().map(|&i| live[i].left()).min().unwrap_or(1);
-            let n = length(rng, s, most, &[live[a].to_boundary(bs), live[a].to_boundary(bs) + 1]);
+            // Past the pads of every row: logits inside a masked prefix are never compared.
+            let least = names.iter().map(|&i| (live[i].masked + 1).saturating_sub(live[i].written)).max().unwrap_or(1);
+            if least > most {
+                continue;
+            }
+            let n = length(rng, s, most, &[live[a].to_boundary(bs), live[a].to_boundary(bs) + 1]).max(least);
             for &i in &names {
                 live[i].written += n;
             }
             ops.push(Op::Feed { seqs: names.iter().map(|&i| live[i].name.clone()).collect(), rows: n });
         } else if roll < 75 && !feedable.is_empty() {
-            // A batched decode step over a random subset (rows join and leave).
-            let mut names: Vec<usize> = feedable.iter().copied().filter(|_| rng.chance(0.7)).collect();
+            // A batched decode step over a random subset (rows join and leave), of sequences
+            // past their pads.
+            let steppable: Vec<usize> =
+                feedable.iter().copied().filter(|&i| live[i].written >= live[i].masked).collect();
+            let Some(&one) = rng.pick(&steppable) else { continue };
+            let mut names: Vec<usize> = steppable.iter().copied().filter(|_| rng.chance(0.7)).collect();
             if names.is_empty() {
-                names.push(feedable[rng.below(feedable.len())]);
+                names.push(one);
             }
             names.truncate(max_batch);
             for &i in &names {

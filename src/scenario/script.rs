@@ -91,6 +91,11 @@ pub fn run_counted(
         Ok(mut c) => {
             c.case = name.to_string();
             c.prompt = prompt;
+            // A script that compared nothing (every feed pads, or passed over) and broke no
+            // books tested nothing: a named skip, never a pass and never a failure.
+            if c.measured.is_empty() && c.audit.is_none() {
+                c.outcome = Outcome::Skipped("the script compared no logits row (nothing fed past the pads)".into());
+            }
             if ran.passed_over > 0 {
                 c.notes.push(format!(
                     "{} of {} operations did not apply and were passed over",
@@ -196,8 +201,12 @@ fn execute(
                 _ => false,
             },
             Op::Feed { seqs, rows } => {
-                let names: Vec<&String> =
-                    seqs.iter().filter(|n| live.get(*n).is_some_and(|l| l.left() >= *rows)).collect();
+                // A feed must reach past the pads: logits inside a masked prefix are never
+                // compared, and an engine may refuse to give them (mlx-lm's BatchKVCache does).
+                let names: Vec<&String> = seqs
+                    .iter()
+                    .filter(|n| live.get(*n).is_some_and(|l| l.left() >= *rows && l.written + rows > l.masked))
+                    .collect();
                 if names.is_empty() {
                     false
                 } else {
