@@ -499,3 +499,25 @@ fn a_prompt_edit_shows_in_the_prompts_snapshot() {
     let (old, new) = (line('-').expect(&review), line('+').expect(&review));
     assert_ne!(old[1..], new[1..], "the count moved: {review}");
 }
+
+/// `--checkpoint` selects by name on every command that runs a suite, and names what the suite
+/// has when it matches nothing; `--path` is `--backend`.
+#[test]
+fn checkpoint_and_path_select_what_they_name() {
+    let o = parity(&[
+        "run",
+        "suites/fixtures.toml",
+        "--checkpoint",
+        "qwen3-tiny",
+        "--path",
+        "paged",
+        "--scenario",
+        "single",
+        "--no-snapshots",
+    ]);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    assert!(text(&o).contains("qwen3-tiny") && !text(&o).contains("llama-tiny "), "{}", text(&o));
+    let o = parity(&["explore", "suites/fixtures.toml", "--checkpoint", "nope", "--schedules", "1"]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("--checkpoint nope") && text(&o).contains("llama-tiny"), "{}", text(&o));
+}

@@ -66,9 +66,12 @@ pub struct CommonArgs {
     #[arg(long = "scenario", value_parser = parse_scenario, value_delimiter = ',')]
     pub scenarios: Vec<Scenario>,
     /// Only these paths (repeatable or comma separated): `dense`, `paged`, `dense-rowwise`,
-    /// `paged-rowwise`, or an engine's path names.
-    #[arg(long = "backend", value_name = "PATH", value_delimiter = ',')]
+    /// `paged-rowwise`, or an engine's path names. `--path` is the same.
+    #[arg(long = "backend", visible_alias = "path", value_name = "PATH", value_delimiter = ',')]
     pub backends: Vec<String>,
+    /// Only these checkpoints, by name (repeatable or comma separated).
+    #[arg(long = "checkpoint", value_name = "NAME", value_delimiter = ',')]
+    pub checkpoints: Vec<String>,
     /// Run shard I of N (1-based): split a suite across CI runners; merge with `parity merge`.
     #[arg(long, value_parser = parse_shard)]
     pub shard: Option<Shard>,
@@ -108,6 +111,7 @@ impl CommonArgs {
             filter: self.filter.clone(),
             scenarios: (!self.scenarios.is_empty()).then(|| self.scenarios.clone()),
             paths: (!self.backends.is_empty()).then(|| self.backends.clone()),
+            checkpoints: (!self.checkpoints.is_empty()).then(|| self.checkpoints.clone()),
             shard: self.shard,
             faults: self.faults.iter().fold(Faults::NONE, |acc, &f| acc.with(f)),
             ..RunOptions::default()
@@ -117,7 +121,7 @@ impl CommonArgs {
     /// Whether rows of a (checkpoint, scenario) may be missing (then snapshots cannot be
     /// compared as wholes).
     pub fn partial_rows(&self) -> bool {
-        self.filter.is_some() || !self.backends.is_empty()
+        self.filter.is_some() || !self.backends.is_empty() || !self.checkpoints.is_empty()
     }
 
     /// Planted faults change results by design; their runs never touch snapshots.

@@ -35,6 +35,8 @@ pub struct RunOptions {
     pub scenarios: Option<Vec<Scenario>>,
     /// Only these paths (`--backend`).
     pub paths: Option<Vec<String>>,
+    /// Only these checkpoints, by name (`--checkpoint`).
+    pub checkpoints: Option<Vec<String>>,
     pub shard: Option<Shard>,
     /// An absent checkpoint is an error row instead of a skipped one.
     pub require_models: bool,
@@ -109,6 +111,9 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> R
 /// agrees on who runs what and each snapshot file comes from exactly one shard.
 fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usize) -> Vec<Cell> {
     let mut cells = Vec::new();
+    if opts.checkpoints.as_ref().is_some_and(|c| !c.contains(&spec.name)) {
+        return cells;
+    }
     let scenarios = if opts.explore.is_some() { vec![Scenario::Explore] } else { spec.scenarios.clone() };
     for scenario in scenarios {
         if opts.scenarios.as_ref().is_some_and(|s| !s.contains(&scenario)) {

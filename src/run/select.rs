@@ -98,6 +98,16 @@ pub fn check_selection(suite: &Suite, opts: &RunOptions) -> std::result::Result<
             ));
         }
     }
+    let names: Vec<&str> = suite.checkpoints.iter().map(|c| c.name.as_str()).collect();
+    for c in opts.checkpoints.iter().flatten() {
+        if !names.contains(&c.as_str()) {
+            return Err(format!(
+                "--checkpoint {c}: suite {} has no such checkpoint (it has {})",
+                suite.file.display(),
+                names.join(", ")
+            ));
+        }
+    }
     let paths = has(&|c| c.paths.clone());
     for b in opts.paths.iter().flatten() {
         if !paths.contains(b) {
@@ -122,6 +132,9 @@ pub fn nothing_selected(suite: &Suite, opts: &RunOptions) -> String {
     }
     for b in opts.paths.iter().flatten() {
         asked.push(format!("--backend {b}"));
+    }
+    for c in opts.checkpoints.iter().flatten() {
+        asked.push(format!("--checkpoint {c}"));
     }
     if let Some(s) = opts.shard {
         asked.push(format!("--shard {}/{}", s.index, s.count));
