@@ -82,6 +82,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
         return Ok(ExitCode::from(EXIT_USAGE));
     }
     let mut opts = a.common.options();
+    // Servers under test log where `run` puts their logs: a finding's server output is there.
+    opts.server_logs = Some(super::run::reports_dir(&a.suite, &None).join(&suite.name).join("logs"));
     opts.explore = Some(Budget {
         seed: a.seed,
         schedules: a.schedules,
