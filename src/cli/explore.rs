@@ -62,17 +62,11 @@ fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    let suite = match crate::suite::load(&a.suite) {
+    // An output that cannot be written is said before minutes of work.
+    let suite = match super::run::prepare(&a.suite, &a.common) {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Ok(ExitCode::from(EXIT_USAGE));
-        }
+        Err(code) => return Ok(code),
     };
-    if let Err(e) = a.common.check_outputs() {
-        eprintln!("error: {e:#}");
-        return Ok(ExitCode::from(EXIT_USAGE));
-    }
     if a.ops == 0 || a.sequences == 0 || a.findings == 0 || a.schedules == Some(0) {
         eprintln!("error: --ops, --sequences, --findings and --schedules must be positive");
         return Ok(ExitCode::from(EXIT_USAGE));

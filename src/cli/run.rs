@@ -313,23 +313,29 @@ pub fn reports_dir(suite_file: &Path, explicit: &Option<PathBuf>) -> PathBuf {
     }
 }
 
+/// The suite at `path`, or its error said (`file:line:col: message`) and exit 2: a suite is
+/// read, and every output path checked, before any work.
+pub fn prepare(path: &Path, common: &CommonArgs) -> std::result::Result<crate::vocab::Suite, ExitCode> {
+    let suite = suite::load(path).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(EXIT_USAGE)
+    })?;
+    common.check_outputs().map_err(|e| {
+        eprintln!("error: {e:#}");
+        ExitCode::from(EXIT_USAGE)
+    })?;
+    Ok(suite)
+}
+
 pub fn run(a: Args) -> Result<ExitCode> {
-    let suite = match suite::load(&a.suite) {
+    let suite = match prepare(&a.suite, &a.common) {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Ok(ExitCode::from(EXIT_USAGE));
-        }
+        Err(code) => return Ok(code),
     };
     let mode = match a.update {
         Some(m) => m,
         None => UpdateMode::from_env().map_err(anyhow::Error::msg)?,
     };
-    // Everything that can be wrong with the request is said before any work.
-    if let Err(e) = a.common.check_outputs() {
-        eprintln!("error: {e:#}");
-        return Ok(ExitCode::from(EXIT_USAGE));
-    }
     let mut opts = a.common.options();
     opts.require_models = a.require_models;
     // A selection that cannot match must never read as "good" to `git bisect run`: 125 (this

@@ -24,18 +24,11 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<ExitCode> {
-    let suite = match crate::suite::load(&a.suite) {
+    // An output that cannot be written is said before minutes of work.
+    let suite = match super::run::prepare(&a.suite, &a.common) {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Ok(ExitCode::from(EXIT_USAGE));
-        }
+        Err(code) => return Ok(code),
     };
-    // An output that cannot be written is said before the minutes of planted runs.
-    if let Err(e) = a.common.check_outputs() {
-        eprintln!("error: {e:#}");
-        return Ok(ExitCode::from(EXIT_USAGE));
-    }
     let to_plant = if a.common.faults.is_empty() { selftest::all_faults() } else { a.common.faults.clone() };
     let opts = RunOptions { faults: Faults::NONE, ..a.common.options() };
     if let Err(why) = crate::run::check_selection(&suite, &opts) {

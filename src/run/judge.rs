@@ -191,6 +191,16 @@ impl Judge<'_> {
         row
     }
 
+    /// The row of a path explore found nothing on: what was explored, in `summary`.
+    pub fn explored_clean(&self, seed: u64, summary: String) -> Row {
+        let case = format!("seed{seed}");
+        let mut row =
+            Row::new(&self.spec.name, "*", self.cell.scenario.name(), &case, &self.cell.path, Verdict::Identical);
+        row.pass = true;
+        row.notes.push(summary);
+        row
+    }
+
     /// The row a case starts from (its name, notes, and a verdict to be weighed), or the whole
     /// row when the case did not run to the end.
     fn opened<M>(&self, c: &CaseOutput<M>) -> ControlFlow<Row, Row> {

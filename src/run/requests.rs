@@ -191,10 +191,7 @@ fn explore<'a>(
     let explored =
         explore::explore_with(budget, &label, &mut generate, &mut run, &mut fails, &explore::shrink_requests);
     if explored.findings.is_empty() {
-        let mut row = cell_row(judge.spec, judge.cell, "*", &format!("seed{}", budget.seed), Verdict::Identical);
-        row.pass = true;
-        row.notes.push(explore::summary(&explored, "requests"));
-        return vec![row];
+        return vec![judge.explored_clean(budget.seed, explore::summary(&explored, "requests"))];
     }
     explored
         .findings

@@ -149,10 +149,7 @@ fn explore(
     let mut fails = |c: &CaseOutput| judge::signature(&judge.steps(c, None, &info));
     let explored = explore::explore(setup, path, prompts, budget, context, &label, &mut fails);
     if explored.findings.is_empty() {
-        let mut row = cell_row(judge.spec, judge.cell, "*", &format!("seed{}", budget.seed), Verdict::Identical);
-        row.pass = true;
-        row.notes.push(explore::summary(&explored, "operations"));
-        return vec![row];
+        return vec![judge.explored_clean(budget.seed, explore::summary(&explored, "operations"))];
     }
     explored
         .findings
