@@ -188,17 +188,25 @@ fn explore<'a>(
         (case, Spent { ops, engine, reference })
     };
     let mut fails = |c: &CaseOutput<Answers>| judge::signature(&judge.requests(c));
-    let explored =
-        explore::explore_with(budget, &label, &mut generate, &mut run, &mut fails, &explore::shrink_requests);
+    let describe = explore::Describe { items: "requests", key: "requests", len: &|s: &RequestScript| s.requests.len() };
+    let explored = explore::explore_with(
+        budget,
+        &label,
+        &mut generate,
+        &mut run,
+        &mut fails,
+        &explore::shrink_requests,
+        &describe,
+    );
     if explored.findings.is_empty() {
-        return vec![judge.explored_clean(budget.seed, explore::summary(&explored, "requests"))];
+        return vec![judge.explored_clean(budget.seed, explored.summary)];
     }
     explored
         .findings
         .iter()
         .map(|f| {
             let mut row = judge.requests(&f.case);
-            row.notes.extend(explore::notes(f, &explored, |s| s.requests.len(), "requests", "requests"));
+            row.notes.extend(f.notes.iter().cloned());
             row
         })
         .collect()

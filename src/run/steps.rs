@@ -149,7 +149,7 @@ fn explore(
     let mut fails = |c: &CaseOutput| judge::signature(&judge.steps(c, None, &info));
     let explored = explore::explore(setup, path, prompts, budget, context, &label, &mut fails);
     if explored.findings.is_empty() {
-        return vec![judge.explored_clean(budget.seed, explore::summary(&explored, "operations"))];
+        return vec![judge.explored_clean(budget.seed, explored.summary)];
     }
     explored
         .findings
@@ -157,7 +157,7 @@ fn explore(
         .map(|f| {
             let floor = setup.noise_floor(&f.case.prompt.name, prompts);
             let mut row = judge.steps(&f.case, floor, &info);
-            row.notes.extend(explore::notes(f, &explored, |s| s.ops.len(), "operations", "ops"));
+            row.notes.extend(f.notes.iter().cloned());
             row
         })
         .collect()

@@ -52,6 +52,9 @@ pub struct Finding<S, M> {
     pub shrunk: S,
     /// The shrunk script's case, as it ran last.
     pub case: CaseOutput<M>,
+    /// What its row says besides the verdict: the reproducer, the TOML to pin it, where it came
+    /// from ([`notes`]).
+    pub notes: Vec<String>,
     /// How the failure reads, the same before and after shrinking.
     pub signature: String,
     pub replays: usize,
@@ -72,6 +75,16 @@ pub struct Explored<S, M> {
     pub reference_seconds: f64,
     pub judge_seconds: f64,
     pub shrink_seconds: f64,
+    /// What a row says of a path that found nothing ([`summary`]).
+    pub summary: String,
+}
+
+/// How a kind of script is named in a row's notes: its items (`operations`, `requests`), the
+/// `[[scripts]]` key it pins under (`ops`, `requests`), how many items a script has.
+pub struct Describe<'a, S> {
+    pub items: &'a str,
+    pub key: &'a str,
+    pub len: &'a dyn Fn(&S) -> usize,
 }
 
 /// What one run of a script cost: operations applied, time inside the engine, time on the
@@ -95,13 +108,14 @@ pub type Shrink<S> = dyn Fn(&S, &mut dyn FnMut(&S) -> bool, usize) -> (S, usize)
 /// not seen before on this path is shrunk while it fails the same way, then run once more as
 /// printed, so the row's failure names what the reproducer has. `run` returns the case and how
 /// many operations applied. Stops at the budget's schedules, time or findings.
-pub fn explore_with<S: Clone, M>(
+pub fn explore_with<S: Clone + std::fmt::Display, M>(
     budget: &Budget,
     label: &[&str],
     generate: &mut dyn FnMut(&mut Rng) -> S,
     run: &mut RunScript<S, M>,
     fails: &mut dyn FnMut(&CaseOutput<M>) -> Option<String>,
     shrink: &Shrink<S>,
+    describe: &Describe<S>,
 ) -> Explored<S, M> {
     let started = Instant::now();
     let mut out = Explored {
@@ -113,6 +127,7 @@ pub fn explore_with<S: Clone, M>(
         reference_seconds: 0.0,
         judge_seconds: 0.0,
         shrink_seconds: 0.0,
+        summary: String::new(),
     };
     let mut judge = |c: &CaseOutput<M>, out: &mut Explored<S, M>| {
         let t = Instant::now();
@@ -155,9 +170,22 @@ pub fn explore_with<S: Clone, M>(
         replays += 1;
         replay(&shrunk);
         out.shrink_seconds += t.elapsed().as_secs_f64();
-        out.findings.push(Finding { schedule: k, generated, shrunk, case: last, signature, replays });
+        out.findings.push(Finding {
+            schedule: k,
+            generated,
+            shrunk,
+            case: last,
+            notes: Vec::new(),
+            signature,
+            replays,
+        });
     }
     out.seconds = started.elapsed().as_secs_f64();
+    out.summary = summary(&out, describe.items);
+    let notes: Vec<Vec<String>> = out.findings.iter().map(|f| notes(f, &out, describe)).collect();
+    for (f, n) in out.findings.iter_mut().zip(notes) {
+        f.notes = n;
+    }
     out
 }
 
@@ -180,7 +208,8 @@ pub fn explore(
         let (case, ran) = script::run_counted(setup, path, s, prompts, name);
         (case, Spent { ops: ran.applied, engine: ran.engine, reference: ran.reference })
     };
-    explore_with(budget, label, &mut generate, &mut run, fails, &shrink)
+    let describe = Describe { items: "operations", key: "ops", len: &|s: &Script| s.ops.len() };
+    explore_with(budget, label, &mut generate, &mut run, fails, &shrink, &describe)
 }
 
 /// The lengths worth hitting: each boundary minus one, at, plus one.
@@ -615,13 +644,13 @@ pub fn generate_requests(
 }
 
 /// What a run of explore reports for a path that found nothing: the numbers behind "clean".
-pub fn summary<S, M>(e: &Explored<S, M>, what: &str) -> String {
+fn summary<S, M>(e: &Explored<S, M>, what: &str) -> String {
     format!("{} schedules, {} {what}, no failure; {}", e.schedules, e.ops, time(e, what))
 }
 
 /// Where the time went: the rate, and the shares inside the engine, on the reference path,
 /// judging, and the rest (generating, parity's own bookkeeping between operations).
-pub fn time<S, M>(e: &Explored<S, M>, what: &str) -> String {
+fn time<S, M>(e: &Explored<S, M>, what: &str) -> String {
     let total = e.seconds.max(1e-9);
     let share = |x: f64| 100.0 * x / total;
     let rest = (e.seconds - e.engine_seconds - e.reference_seconds - e.judge_seconds).max(0.0);
@@ -636,16 +665,9 @@ pub fn time<S, M>(e: &Explored<S, M>, what: &str) -> String {
     )
 }
 
-/// Notes for a finding's row: the reproducer, ready to pin (`key`: `ops` for a stepped
-/// engine's script, `requests` for a server's), and where it came from; `what` the script's
-/// items are called, `len` how many it has.
-pub fn notes<S: std::fmt::Display, M>(
-    f: &Finding<S, M>,
-    e: &Explored<S, M>,
-    len: impl Fn(&S) -> usize,
-    what: &str,
-    key: &str,
-) -> Vec<String> {
+/// Notes for a finding's row: the reproducer, ready to pin, and where it came from.
+fn notes<S: std::fmt::Display, M>(f: &Finding<S, M>, e: &Explored<S, M>, d: &Describe<S>) -> Vec<String> {
+    let (what, key) = (d.items, d.key);
     let quoted = f.shrunk.to_string().replace('\\', "\\\\").replace('"', "\\\"");
     vec![
         format!("reproducer: {}", f.shrunk),
@@ -653,8 +675,8 @@ pub fn notes<S: std::fmt::Display, M>(
         format!(
             "schedule s{} of {} {what} shrunk to {} in {} replays; {} schedules, {} {what} explored; {}",
             f.schedule,
-            len(&f.generated),
-            len(&f.shrunk),
+            (d.len)(&f.generated),
+            (d.len)(&f.shrunk),
             f.replays,
             e.schedules,
             e.ops,
