@@ -238,6 +238,7 @@ fn short(v: Verdict) -> &'static str {
     match v {
         Verdict::Identical => "ident",
         Verdict::NearTie => "tie",
+        Verdict::Vacuous => "VAC",
         Verdict::Diverged => "DIV",
         Verdict::Error => "ERR",
         Verdict::Skipped => "skip",

@@ -13,6 +13,7 @@ use super::{EnginePath, Session, ShareMode};
 use crate::array::host_f32;
 use crate::error::{Error, Result};
 use crate::faults::{Fault, Faults};
+use crate::kv::Counters;
 use crate::kv::{KvCache, SeqId};
 use crate::model::{Model, RowStep};
 use crate::vocab::BuiltinPath;
@@ -21,6 +22,8 @@ use crate::vocab::BuiltinPath;
 struct Served<'m> {
     path: Builtin<'m>,
     kv: Box<dyn KvCache>,
+    /// Model calls on `kv` since the last reset (a session is opened per request).
+    calls: Counters,
     faults: Faults,
     /// Live sequences (for `stats`).
     live: usize,
@@ -72,7 +75,7 @@ fn handle<'m>(model: &'m Model, path: BuiltinPath, served: &mut Option<Served<'m
         let path = Builtin::new(model, path, settings);
         let info = path.info().clone();
         let kv = path.kv(Faults::NONE)?;
-        *served = Some(Served { path, kv, faults: Faults::NONE, live: 0 });
+        *served = Some(Served { path, kv, calls: Counters::default(), faults: Faults::NONE, live: 0 });
         let c = &info.capabilities;
         return Ok(json!({
             "protocol": VERSION,
@@ -86,6 +89,7 @@ fn handle<'m>(model: &'m Model, path: BuiltinPath, served: &mut Option<Served<'m
                 "stats": c.stats,
                 "faults": c.faults.iter().map(|f| f.name()).collect::<Vec<_>>(),
                 "block_size": c.block_size,
+                "kv_row_bytes": c.kv_row_bytes,
             },
         }));
     }
@@ -96,11 +100,12 @@ fn handle<'m>(model: &'m Model, path: BuiltinPath, served: &mut Option<Served<'m
             set = set.with(Fault::parse(f).ok_or_else(|| Error::Invalid(format!("unknown fault `{f}`")))?);
         }
         s.kv = s.path.kv(set)?;
+        s.calls = Counters::default();
         s.faults = set;
         s.live = 0;
         return Ok(json!({}));
     }
-    let mut session = BuiltinSession::new(model, s.kv.as_mut(), s.faults, s.path.path().attention);
+    let mut session = BuiltinSession::new(model, s.kv.as_mut(), &mut s.calls, s.faults, s.path.path().attention);
     Ok(match request {
         // Answered above; an arm here keeps the match total without a panic path.
         Request::Hello { .. } | Request::Reset { .. } => json!({}),
@@ -142,7 +147,8 @@ fn handle<'m>(model: &'m Model, path: BuiltinPath, served: &mut Option<Served<'m
         },
         Request::Stats => {
             let stats = session.stats()?.unwrap_or_default();
-            json!({"stats": WireStats { kv: stats, sequences: s.live }})
+            let counters = session.counters()?;
+            json!({"stats": WireStats { kv: stats, sequences: s.live, counters }})
         }
         Request::Shutdown => json!({}),
     })

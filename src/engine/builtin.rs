@@ -9,7 +9,7 @@ use mlx_rs::Array;
 use super::{Capabilities, EnginePath, PathInfo, Session, ShareMode};
 use crate::error::Result;
 use crate::faults::Faults;
-use crate::kv::{Backend, DenseCache, KvCache, KvStats, PagedBlockPool, PoolOptions, SeqId};
+use crate::kv::{Backend, Counters, DenseCache, KvCache, KvStats, PagedBlockPool, PoolOptions, SeqId};
 use crate::model::{AttentionMode, Model, RowStep};
 use crate::vocab::{BuiltinPath, EngineId, Settings, Trace};
 
@@ -19,8 +19,9 @@ pub struct Builtin<'m> {
     path: BuiltinPath,
     settings: Settings,
     info: PathInfo,
-    /// The KV store of the current session (a session borrows it).
-    kv: Option<Box<dyn KvCache>>,
+    /// The KV store of the current session and the model calls made on it (a session
+    /// borrows both).
+    kv: Option<(Box<dyn KvCache>, Counters)>,
 }
 
 impl<'m> Builtin<'m> {
@@ -38,6 +39,7 @@ impl<'m> Builtin<'m> {
                 max_batch: None,
                 stats: true,
                 block_size: (backend == Backend::Paged).then_some(settings.block_size),
+                kv_row_bytes: Some(model.kv_shape().row_bytes()),
                 faults: path.faults(),
             },
         };
@@ -75,8 +77,8 @@ impl EnginePath for Builtin<'_> {
         // A row-by-row path has no code for the batching faults: a skip, never a quiet pass.
         self.info.check_faults(faults)?;
         let kv = self.kv(faults)?;
-        let kv = self.kv.insert(kv);
-        Ok(Box::new(BuiltinSession::new(self.model, kv.as_mut(), faults, self.path.attention)))
+        let (kv, calls) = self.kv.insert((kv, Counters::default()));
+        Ok(Box::new(BuiltinSession::new(self.model, kv.as_mut(), calls, faults, self.path.attention)))
     }
 }
 
@@ -84,13 +86,22 @@ impl EnginePath for Builtin<'_> {
 pub struct BuiltinSession<'a> {
     model: &'a Model,
     kv: &'a mut dyn KvCache,
+    /// Model calls made on this store (kept beside it: parity's adapter opens a session per
+    /// request over the same store).
+    calls: &'a mut Counters,
     faults: Faults,
     attention: AttentionMode,
 }
 
 impl<'a> BuiltinSession<'a> {
-    pub fn new(model: &'a Model, kv: &'a mut dyn KvCache, faults: Faults, attention: AttentionMode) -> Self {
-        BuiltinSession { model, kv, faults, attention }
+    pub fn new(
+        model: &'a Model,
+        kv: &'a mut dyn KvCache,
+        calls: &'a mut Counters,
+        faults: Faults,
+        attention: AttentionMode,
+    ) -> Self {
+        BuiltinSession { model, kv, calls, faults, attention }
     }
 }
 
@@ -111,7 +122,13 @@ impl Session for BuiltinSession<'_> {
         // Sessions of one model interleave (a reference is computed in the middle of a
         // faulty path's case): the faults are this session's, set for each of its steps.
         self.model.set_faults(self.faults);
-        self.model.forward_mode(self.kv, rows, self.attention)
+        let logits = self.model.forward_mode(self.kv, rows, self.attention)?;
+        // One forward is one model call over every row, whichever attention mode reads the KV.
+        let c = &mut *self.calls;
+        Counters::add(&mut c.forwards, 1);
+        Counters::add(&mut c.tokens, rows.iter().map(|r| r.tokens.len() as u64).sum());
+        c.max_rows = Some(c.max_rows.unwrap_or(0).max(rows.len() as u64));
+        Ok(logits)
     }
 
     fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize> {
@@ -123,7 +140,11 @@ impl Session for BuiltinSession<'_> {
     }
 
     fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<(SeqId, ShareMode)>> {
-        Ok(self.kv.share_prefix(donor, rows)?.map(|seq| (seq, ShareMode::Storage)))
+        self.kv.share_prefix(donor, rows)
+    }
+
+    fn counters(&mut self) -> Result<Option<Counters>> {
+        Ok(Some(self.calls.or(self.kv.counters())))
     }
 
     fn stats(&mut self) -> Result<Option<KvStats>> {
@@ -137,5 +158,7 @@ impl Session for BuiltinSession<'_> {
 
 /// Greedy generation on the builtin runtime over `kv`, no faults (`parity generate`, tests).
 pub fn generate(model: &Model, kv: &mut dyn KvCache, prompt: &[u32], max_tokens: usize) -> Result<(SeqId, Trace)> {
-    super::generate(&mut BuiltinSession::new(model, kv, Faults::NONE, AttentionMode::default()), prompt, max_tokens)
+    let mut calls = Counters::default();
+    let mut session = BuiltinSession::new(model, kv, &mut calls, Faults::NONE, AttentionMode::default());
+    super::generate(&mut session, prompt, max_tokens)
 }

@@ -29,7 +29,8 @@ use crate::checkpoint::ModelConfig;
 use crate::dtype::DtypeName;
 use crate::error::Result;
 use crate::faults::Faults;
-use crate::kv::{KvStats, SeqId};
+pub use crate::kv::ShareMode;
+use crate::kv::{Counters, KvStats, SeqId};
 use crate::model::{Model, RowStep};
 use crate::vocab::{BuiltinPath, CheckpointSpec, EngineId, EngineSpec, ReferenceSpec, Trace};
 
@@ -76,6 +77,10 @@ pub struct Capabilities {
     pub stats: bool,
     /// Rows per KV block when the path is paged: divergences are then located by block.
     pub block_size: Option<usize>,
+    /// Bytes of K and V one row takes over all layers, as the path's layout promises (its
+    /// stored dtype or quantization): the stats it reports are held to it, so a layout
+    /// stored wider than it declares fails its rows.
+    pub kv_row_bytes: Option<u64>,
     /// Planted faults the path can switch on (parity's own runtime only).
     pub faults: Vec<crate::faults::Fault>,
 }
@@ -114,15 +119,6 @@ impl PathInfo {
     }
 }
 
-/// How a new sequence got a donor's prefix rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ShareMode {
-    /// The same storage, copy-on-write (a paged pool's refcounted blocks).
-    Storage,
-    /// The rows were copied.
-    Copy,
-}
-
 /// One fresh KV store of a path: what every scenario runs against. Each sequence has one
 /// length counter, kept by the engine; RoPE positions derive from it (the "two sources of
 /// truth" bug is a second counter), and parity checks what the engine reports about it.
@@ -152,6 +148,12 @@ pub trait Session {
 
     /// KV memory now (peak since the session began); `None` if the path does not report it.
     fn stats(&mut self) -> Result<Option<KvStats>>;
+
+    /// What the engine counted about its own work since the session began: the evidence that
+    /// a case did what it exists to test. `None`: the path keeps no counters.
+    fn counters(&mut self) -> Result<Option<Counters>> {
+        Ok(None)
+    }
 
     /// The store's books, checked where a case ends: `Some(what is wrong)` when storage is held
     /// by no live sequence or refcounts disagree with the tables. A release that forgets its
@@ -186,6 +188,7 @@ impl Planning {
                 max_batch: None,
                 stats: false,
                 block_size: None,
+                kv_row_bytes: None,
                 faults: Vec::new(),
             },
         })

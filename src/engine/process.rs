@@ -24,6 +24,7 @@ use super::{Capabilities, Dirs, EnginePath, PathInfo, Session, ShareMode};
 use crate::dtype::DtypeName;
 use crate::error::{Error, Result};
 use crate::faults::{Fault, Faults};
+use crate::kv::Counters;
 use crate::kv::{KvStats, SeqId};
 use crate::model::RowStep;
 use crate::proc::{self, Child, Spawn};
@@ -209,6 +210,7 @@ impl ProcessPath {
                     max_batch: Some(1),
                     stats: false,
                     block_size: None,
+                    kv_row_bytes: None,
                     faults: Vec::new(),
                 },
             },
@@ -267,6 +269,9 @@ impl ProcessPath {
         if h.capabilities.max_batch == Some(0) {
             return Err("capabilities.max_batch is 0".into());
         }
+        if h.capabilities.kv_row_bytes == Some(0) {
+            return Err("capabilities.kv_row_bytes is 0".into());
+        }
         Ok(PathInfo {
             name: self.info.name.clone(),
             engine: EngineId { kind: "process".into(), name: h.engine.name, version: h.engine.version },
@@ -278,6 +283,7 @@ impl ProcessPath {
                 max_batch: h.capabilities.max_batch,
                 stats: h.capabilities.stats,
                 block_size: h.capabilities.block_size,
+                kv_row_bytes: h.capabilities.kv_row_bytes,
                 faults,
             },
         })
@@ -475,6 +481,10 @@ impl Session for ProcessSession<'_> {
 
     fn stats(&mut self) -> Result<Option<KvStats>> {
         Ok(self.wire_stats()?.map(|w| w.kv))
+    }
+
+    fn counters(&mut self) -> Result<Option<Counters>> {
+        Ok(self.wire_stats()?.and_then(|w| w.counters))
     }
 
     /// From outside an engine the books are what it reports: with no live sequence (by

@@ -4,6 +4,7 @@
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
+use crate::kv::Counters;
 use crate::kv::KvStats;
 use crate::vocab::Settings;
 
@@ -80,6 +81,9 @@ pub struct WireCapabilities {
     #[serde(default)]
     pub faults: Vec<String>,
     pub block_size: Option<usize>,
+    /// Bytes of K and V per row over all layers that the path's layout promises (optional).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_row_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -111,14 +115,16 @@ pub struct StatsReply {
     pub stats: WireStats,
 }
 
-/// KV statistics on the wire: [`KvStats`]' fields (each optional, absent is zero) and the
-/// number of live sequences.
+/// KV statistics on the wire: [`KvStats`]' fields (each optional, absent is zero), the
+/// number of live sequences, and (optional) what the engine counted since the last `reset`.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
 pub struct WireStats {
     #[serde(flatten)]
     pub kv: KvStats,
     #[serde(default)]
     pub sequences: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counters: Option<Counters>,
 }
 
 /// `[rows, vocab]` float32 logits: little-endian bytes, standard base64. Text decimals would

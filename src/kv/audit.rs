@@ -164,7 +164,7 @@ mod tests {
         let mut p = pool(Faults::NONE);
         let a = p.create(0).unwrap();
         p.reserve(a, 10).unwrap();
-        let b = p.share_prefix(a, 6).unwrap().expect("paged shares");
+        let (b, _) = p.share_prefix(a, 6).unwrap().expect("paged shares");
         p.audit().unwrap();
         p.reserve(b, 3).unwrap(); // copy-on-write of the shared half block
         p.trim(a, 5).unwrap();

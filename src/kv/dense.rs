@@ -13,7 +13,9 @@ use mlx_rs::Array;
 use mlx_rs::ops::indexing::IndexOp;
 
 use super::store::{Memo, RowStore};
-use super::{Backend, BatchKv, KvCache, KvShape, KvStats, SeqId, SeqMap, check_batch_shape, check_kv_shape};
+use super::{
+    Backend, BatchKv, Counters, KvCache, KvShape, KvStats, SeqId, SeqMap, ShareMode, check_batch_shape, check_kv_shape,
+};
 use crate::error::{Error, Result};
 
 /// Slots grow by this many rows at a time, so decode does not reallocate every step.
@@ -44,6 +46,7 @@ pub struct DenseCache {
     /// they were built from (every layer of a step asks for the same ones).
     write_rows: Memo<(Vec<usize>, usize, usize), Array>,
     gather_rows: Memo<(Vec<usize>, usize, usize), Array>,
+    counts: Counters,
 }
 
 impl DenseCache {
@@ -59,6 +62,12 @@ impl DenseCache {
             peak_bytes: 0,
             write_rows: Memo::new(),
             gather_rows: Memo::new(),
+            counts: Counters {
+                rows_trimmed: Some(0),
+                rows_shared: Some(0),
+                rows_copied: Some(0),
+                ..Counters::default()
+            },
         }
     }
 
@@ -204,6 +213,7 @@ impl KvCache for DenseCache {
             return Err(Error::Kv(format!("cannot trim {n} rows from sequence {} of length {}", seq.0, s.len)));
         }
         s.len -= n;
+        Counters::add(&mut self.counts.rows_trimmed, n as u64);
         Ok(n)
     }
 
@@ -214,13 +224,31 @@ impl KvCache for DenseCache {
         Ok(())
     }
 
-    fn share_prefix(&mut self, donor: SeqId, _rows: usize) -> Result<Option<SeqId>> {
-        self.seq(donor)?;
-        Ok(None)
+    /// A slot cannot be shared, so the rows are copied into the new sequence's own slot: the
+    /// prefix is reused, never recomputed.
+    fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<(SeqId, ShareMode)>> {
+        let d = self.seq(donor)?;
+        if rows > d.len {
+            return Err(Error::Kv(format!("cannot share {rows} rows of sequence {} of length {}", donor.0, d.len)));
+        }
+        let masked_prefix = d.masked_prefix.min(rows);
+        let seq = self.create(masked_prefix)?;
+        if rows > 0 {
+            // Reserved first: growing the slots re-lays the store, which moves the donor's rows.
+            self.reserve(seq, rows)?;
+            let ((from, _), (to, _)) = (self.base(donor)?, self.base(seq)?);
+            self.store.copy(from, to, rows)?;
+        }
+        Counters::add(&mut self.counts.rows_copied, rows as u64);
+        Ok(Some((seq, ShareMode::Copy)))
+    }
+
+    fn counters(&self) -> Counters {
+        self.counts
     }
 
     fn stats(&self) -> KvStats {
-        let row = self.shape.row_bytes();
+        let row = self.store.row_bytes();
         let slot_bytes = self.capacity as u64 * row;
         let live: u64 = self.seqs.values().map(|s| s.len as u64 * row).sum();
         let held = self.seqs.values().filter(|s| s.slot.is_some()).count() as u64 * slot_bytes;

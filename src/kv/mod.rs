@@ -13,7 +13,7 @@ pub(crate) mod store;
 use std::collections::BTreeMap;
 
 use mlx_rs::Array;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::dtype::DtypeName;
 use crate::error::Result;
@@ -69,6 +69,66 @@ pub struct KvStats {
     pub blocks_reserved: usize,
 }
 
+/// What an engine counts about its own work since its KV store was created (a session: a
+/// case). Every field is optional on the wire: a counter the engine does not keep is absent,
+/// and a claim that needs it is then `unreported`, never `held`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Counters {
+    /// Model calls: passes through every layer (a forward of B rows run row by row is B).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forwards: Option<u64>,
+    /// The most sequences one model call computed together.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_rows: Option<u64>,
+    /// Token positions run through the model, prefill and decode: rows recomputed count again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
+    /// Paged: model calls whose KV read of some sequence spanned more than one block, and
+    /// those that gathered blocks not adjacent in the pool.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reads_crossing_blocks: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reads_non_adjacent: Option<u64>,
+    /// Paged: shared blocks copied before a write (copy-on-write).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cow_copies: Option<u64>,
+    /// Rows trimmed away, and (paged) blocks given back by trims and releases.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rows_trimmed: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub blocks_freed: Option<u64>,
+    /// Prefix rows a new sequence got from a donor: the same storage, or copied.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rows_shared: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rows_copied: Option<u64>,
+}
+
+impl Counters {
+    /// Add `n` to a counter, which is then present (kept) even at zero.
+    pub fn add(slot: &mut Option<u64>, n: u64) {
+        *slot = Some(slot.unwrap_or(0) + n);
+    }
+
+    /// This one's counters, and `other`'s where this one keeps none (a session's model
+    /// calls beside its store's counts).
+    pub fn or(self, other: Counters) -> Counters {
+        Counters {
+            forwards: self.forwards.or(other.forwards),
+            max_rows: self.max_rows.or(other.max_rows),
+            tokens: self.tokens.or(other.tokens),
+            reads_crossing_blocks: self.reads_crossing_blocks.or(other.reads_crossing_blocks),
+            reads_non_adjacent: self.reads_non_adjacent.or(other.reads_non_adjacent),
+            cow_copies: self.cow_copies.or(other.cow_copies),
+            rows_trimmed: self.rows_trimmed.or(other.rows_trimmed),
+            blocks_freed: self.blocks_freed.or(other.blocks_freed),
+            rows_shared: self.rows_shared.or(other.rows_shared),
+            rows_copied: self.rows_copied.or(other.rows_copied),
+        }
+    }
+}
+
 pub trait KvCache {
     fn backend(&self) -> Backend;
 
@@ -107,11 +167,19 @@ pub trait KvCache {
     /// Forget a finished sequence and return its storage.
     fn release(&mut self, seq: SeqId) -> Result<()>;
 
-    /// A new sequence whose first `rows` rows are `donor`'s, shared rather than copied.
-    /// `Ok(None)` when the backend cannot share storage (dense): the caller recomputes.
-    fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<SeqId>>;
+    /// A new sequence whose first `rows` rows are `donor`'s: the same storage where the
+    /// backend can share it (paged: refcounted blocks), else copied (dense). `Ok(None)` would
+    /// leave the caller to recompute them, which no backend here does: a prefix case on a path
+    /// that recomputes tests no reuse at all.
+    fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<(SeqId, ShareMode)>>;
 
+    /// Memory held now, measured from the stored arrays (bytes per row are the stored dtype's,
+    /// not the declared one's: a layout stored wider than it promises shows here).
     fn stats(&self) -> KvStats;
+
+    /// What the store counted since it was created: reads across blocks, copy-on-write
+    /// copies, trims, blocks freed, shares ([`Counters`]; model calls are the session's).
+    fn counters(&self) -> Counters;
 
     /// Check the backend's books: every storage unit is free or owned by a live sequence, and
     /// what it records about ownership matches what the sequences hold. A leak produces the
@@ -120,6 +188,15 @@ pub trait KvCache {
     fn audit(&self) -> Result<()> {
         Ok(())
     }
+}
+
+/// How a new sequence got a donor's prefix rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShareMode {
+    /// The same storage, copy-on-write (a paged pool's refcounted blocks).
+    Storage,
+    /// The rows were copied.
+    Copy,
 }
 
 /// One layer's K/V for a batch of sequences, as [`KvCache::read_batch`] returns it.

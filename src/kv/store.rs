@@ -34,6 +34,16 @@ impl RowStore {
         self.rows
     }
 
+    /// Bytes of K plus V one row occupies over all layers, measured from the arrays as they
+    /// are stored (the layout's dtype when nothing is stored yet).
+    pub(crate) fn row_bytes(&self) -> u64 {
+        if self.rows == 0 || self.layers.is_empty() {
+            return self.shape.row_bytes();
+        }
+        let total: usize = self.layers.iter().map(|(k, v)| k.nbytes() + v.nbytes()).sum();
+        (total / self.rows) as u64
+    }
+
     fn heads(&self) -> i32 {
         self.shape.kv_heads as i32
     }

@@ -6,10 +6,10 @@ use std::fmt::Write;
 
 use super::{CheckpointReport, DivergenceReport, Row};
 use crate::compare::TOP_K;
-use crate::vocab::Verdict;
+use crate::vocab::{Status, Verdict};
 
-const VERDICTS: [Verdict; 5] =
-    [Verdict::Identical, Verdict::NearTie, Verdict::Diverged, Verdict::Error, Verdict::Skipped];
+const VERDICTS: [Verdict; 6] =
+    [Verdict::Identical, Verdict::NearTie, Verdict::Vacuous, Verdict::Diverged, Verdict::Error, Verdict::Skipped];
 
 /// A row that counts as failed in the summary (see `Summary::of`).
 pub fn failing(row: &Row) -> bool {
@@ -43,10 +43,58 @@ pub fn counts<'a>(rows: impl Iterator<Item = &'a Row> + Clone) -> String {
     if parts.is_empty() { "no rows".into() } else { parts.join(", ") }
 }
 
+/// What a group of rows showed for its claims, by status: `shown: batched, crosses-blocks;
+/// missing: row-bytes (3 of 12)`. A claim every row holds is listed under `shown`; any other
+/// status with how many rows had it. `None` when no row states a claim. `held_too`: list the
+/// claims every row holds (the terminal and HTML do; a Markdown cell has room for problems only).
+pub fn evidence_summary(rows: &[&Row], held_too: bool) -> Option<String> {
+    let mut claims: Vec<&str> = Vec::new();
+    for e in rows.iter().flat_map(|r| &r.evidence) {
+        if !claims.contains(&e.claim.as_str()) {
+            claims.push(&e.claim);
+        }
+    }
+    if claims.is_empty() {
+        return None;
+    }
+    let mut parts: Vec<String> = Vec::new();
+    for status in [Status::Held, Status::Missing, Status::Unreported, Status::Waived] {
+        let mut names = Vec::new();
+        for claim in &claims {
+            let with: Vec<&Row> =
+                rows.iter().copied().filter(|r| r.evidence.iter().any(|e| e.claim == *claim)).collect();
+            let n = with.iter().filter(|r| r.evidence.iter().any(|e| e.claim == *claim && e.status == status)).count();
+            if status == Status::Held {
+                if n == with.len() {
+                    names.push(claim.to_string());
+                }
+            } else if n == with.len() {
+                names.push(claim.to_string());
+            } else if n > 0 {
+                names.push(format!("{claim} ({n} of {})", with.len()));
+            }
+        }
+        if names.is_empty() || (status == Status::Held && !held_too) {
+            continue;
+        }
+        let label = if status == Status::Held { "shown" } else { status.name() };
+        parts.push(format!("{label}: {}", names.join(", ")));
+    }
+    (!parts.is_empty()).then(|| parts.join("; "))
+}
+
+/// A row's claims, one per line: `held batched: up to 2 rows in one model call`.
+pub fn evidence_lines(row: &Row) -> String {
+    row.evidence.iter().map(|e| format!("{} {}: {}", e.status.name(), e.claim, e.seen)).collect::<Vec<_>>().join("\n")
+}
+
 /// Labelled facts about a failing row, most telling first; values may span lines.
 pub fn details(row: &Row, checkpoint: Option<&CheckpointReport>) -> Vec<(&'static str, String)> {
     let mut out = Vec::new();
     out.push(("failure", row.failure.clone().unwrap_or_else(|| row.verdict.name().to_string())));
+    if row.evidence.iter().any(|e| e.status != Status::Held) {
+        out.push(("evidence", evidence_lines(row)));
+    }
     if let Some(d) = &row.first_divergence {
         out.push(("divergence", location(d, row.paths, checkpoint)));
         let c = &d.choice;

@@ -11,7 +11,9 @@
 use std::fmt::Write;
 
 use super::chart::{Chart, Series, Size};
-use super::describe::{counts, failing, first_line, groups, location, plural, rms, top2};
+use super::describe::{
+    counts, evidence_lines, evidence_summary, failing, first_line, groups, location, plural, rms, top2,
+};
 use super::escape::xml as esc;
 use super::snapshot::Change;
 use super::{CheckpointReport, CheckpointStatus, Report, Row};
@@ -51,6 +53,7 @@ fn verdict_badge(row: &Row) -> String {
     let (class, sym) = match row.verdict {
         Verdict::Identical => ("identical", "="),
         Verdict::NearTie => ("near-tie", "≈"),
+        Verdict::Vacuous => ("vacuous", "∅"),
         Verdict::Diverged => ("diverged", "≠"),
         Verdict::Error => ("error", "!"),
         Verdict::Skipped => ("skipped", "–"),
@@ -180,7 +183,7 @@ fn summary(out: &mut String, groups: &[Vec<&Row>]) {
     });
     out.push_str(
         "<section><h2>Summary</h2><table class=\"grid summary\"><thead><tr><th>status</th><th>checkpoint</th>\
-         <th>scenario</th><th>path</th><th>rows</th><th>max rel RMS</th></tr></thead><tbody>\n",
+         <th>scenario</th><th>path</th><th>rows</th><th>max rel RMS</th><th>evidence</th></tr></thead><tbody>\n",
     );
     for i in order {
         let g = &groups[i];
@@ -204,12 +207,13 @@ fn summary(out: &mut String, groups: &[Vec<&Row>]) {
         };
         let _ = writeln!(
             out,
-            "<tr class=\"{class}\"><td><a href=\"#g{i}\">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{worst}</td></tr>",
+            "<tr class=\"{class}\"><td><a href=\"#g{i}\">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{worst}</td><td>{}</td></tr>",
             st.badge(),
             esc(&g[0].checkpoint),
             esc(&g[0].scenario),
             esc(&g[0].path),
             esc(&n),
+            esc(&evidence_summary(g, true).unwrap_or_default()),
         );
     }
     out.push_str("</tbody></table></section>\n");
@@ -291,6 +295,9 @@ fn panel(out: &mut String, i: usize, row: &Row, checkpoint: Option<&CheckpointRe
     }
     if !row.notes.is_empty() {
         let _ = write!(out, "<dt>notes</dt><dd>{}</dd>", esc(&row.notes.join("; ")));
+    }
+    if !row.evidence.is_empty() {
+        let _ = write!(out, "<dt>evidence</dt><dd>{}</dd>", esc(&evidence_lines(row)).replace('\n', "<br>"));
     }
     out.push_str("</dl>\n");
     if let Some(series) = series(row, checkpoint) {

@@ -6,7 +6,7 @@
 
 use std::fmt::Write;
 
-use super::describe::{counts, details, failing, first_line, groups, plural};
+use super::describe::{counts, details, evidence_summary, failing, first_line, groups, plural};
 use super::snapshot::Change;
 use super::{CheckpointStatus, Report, Row};
 use crate::vocab::Verdict;
@@ -116,7 +116,10 @@ fn matrix(out: &mut String, groups: &[&Vec<&Row>]) {
 
 fn status_cell(rows: &[&Row]) -> String {
     let failed = rows.iter().filter(|r| failing(r)).count();
-    let counts = counts(rows.iter().copied());
+    let mut counts = counts(rows.iter().copied());
+    if let Some(e) = evidence_summary(rows, false) {
+        counts = format!("{counts}; {e}");
+    }
     if failed > 0 {
         format!("**FAIL** {}; {failed} failed", cell(&counts))
     } else if rows.iter().all(|r| r.verdict == Verdict::Skipped) {

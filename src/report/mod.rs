@@ -24,8 +24,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::compare::{Choice, FirstDifference};
 pub use crate::environment::Environment;
-use crate::kv::KvStats;
-use crate::vocab::{EngineId, Settings, Verdict};
+use crate::kv::{Counters, KvStats};
+use crate::vocab::{EngineId, Evidence, Settings, Verdict};
 
 /// Bumped when a field changes meaning or disappears (additions keep the version).
 pub const SCHEMA_VERSION: u32 = 1;
@@ -159,6 +159,13 @@ pub struct Row {
     /// kind = "openai": what the API returned, compared on logprobs (absent for step engines).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api: Option<ApiFacts>,
+    /// The case's claims and what was seen for each: why a `vacuous` row tested nothing, and
+    /// what a passing one did (absent where nothing ran).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub evidence: Vec<Evidence>,
+    /// What the engine counted about its own work during the case (paths that count).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counters: Option<Counters>,
 }
 
 /// A request-level row's measurements (kind = "openai").
@@ -219,6 +226,8 @@ impl Row {
             notes: Vec::new(),
             kv: None,
             api: None,
+            evidence: Vec::new(),
+            counters: None,
         }
     }
 

@@ -5,7 +5,7 @@
 
 use std::fmt::Write;
 
-use super::describe::{counts, details, failing, first_line, groups, plural};
+use super::describe::{counts, details, evidence_summary, failing, first_line, groups, plural};
 use super::snapshot::Change;
 use super::{CheckpointReport, CheckpointStatus, Report, Row};
 use crate::vocab::Verdict;
@@ -65,6 +65,9 @@ pub fn group_line(g: &[&Row], w: &Widths, color: bool) -> Option<String> {
     let mut counts = counts(g.iter().copied());
     if failed > 0 {
         let _ = write!(counts, "; {failed} failed");
+    }
+    if let Some(e) = evidence_summary(g, true) {
+        let _ = write!(counts, "  [{e}]");
     }
     let (wc, ws, wb) = (w.checkpoint, w.scenario, w.path);
     Some(format!("{status}  {:wc$}  {:ws$}  {:wb$}  {counts}\n", first.checkpoint, first.scenario, first.path))

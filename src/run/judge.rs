@@ -7,7 +7,7 @@
 
 use std::ops::ControlFlow;
 
-use super::Cell;
+use super::{Cell, witness};
 use crate::checkpoint::Tokenizer;
 use crate::compare::{self, Choice, LogprobComparison, PathComparison, finite, nan_max};
 use crate::engine::PathInfo;
@@ -16,7 +16,9 @@ use crate::kv::Backend;
 use crate::report::{ApiFacts, DivergenceReport, Row, StepPlace};
 use crate::scenario::requests::Answers;
 use crate::scenario::{CaseOutput, Outcome};
-use crate::vocab::{CheckpointSpec, Scenario, Settings, StepLayout, Tolerance, Verdict, audit};
+use crate::vocab::{
+    CheckpointSpec, Evidence, MEMORY_CLAIMS, Scenario, Settings, Status, StepLayout, Tolerance, Verdict, audit,
+};
 
 /// What every row of one cell is judged against.
 pub(super) struct Judge<'a> {
@@ -89,7 +91,14 @@ impl Judge<'_> {
             .first_divergence
             .as_ref()
             .map(|d| self.divergence(d, w, layout.get(d.step).copied().unwrap_or_default(), blocks));
+        if let Some(o) = &c.observed {
+            row.counters = o.counters;
+            let w = self.spec.witness(&self.cell.path);
+            row.evidence = witness::steps(self.cell.scenario, &c.case, o, c.kv.as_ref(), path, &w);
+        }
+        weigh_evidence(&mut row);
         self.finish(&mut row);
+        memory_claims(&mut row);
         // Same tokens from a pool that leaks is still a broken engine: the books fail the row.
         if let Some(books) = &c.audit {
             row.verdict = Verdict::Error;
@@ -253,6 +262,49 @@ impl Judge<'_> {
     }
 }
 
+/// Right tokens from a path that did not do what its case tests are no pass: a claim its
+/// evidence contradicts turns an agreeing row `vacuous` (a disagreeing row keeps its verdict,
+/// the evidence beside it).
+fn weigh_evidence(row: &mut Row) {
+    let vacuous = row.evidence.iter().any(|e| e.status == Status::Missing && !is_memory(e));
+    if vacuous && matches!(row.verdict, Verdict::Identical | Verdict::NearTie) {
+        row.verdict = Verdict::Vacuous;
+    }
+}
+
+/// A memory claim the stats contradict (blocks held beyond the live rows' need, bytes per row
+/// beyond the declared layout) fails the row with the numbers, whatever its tokens.
+fn memory_claims(row: &mut Row) {
+    let broken: Vec<String> = row
+        .evidence
+        .iter()
+        .filter(|e| e.status == Status::Missing && is_memory(e))
+        .map(|e| format!("memory: {}: wanted {}; {}", e.claim, e.wanted, e.seen))
+        .collect();
+    if broken.is_empty() {
+        return;
+    }
+    row.verdict = Verdict::Error;
+    row.pass = false;
+    let broken = broken.join("; ");
+    row.failure = Some(row.failure.take().map_or_else(|| broken.clone(), |f| format!("{f}; {broken}")));
+}
+
+fn is_memory(e: &Evidence) -> bool {
+    MEMORY_CLAIMS.contains(&e.claim.as_str())
+}
+
+/// Why a `vacuous` row tested nothing: each claim its evidence contradicts.
+fn missing_claims(row: &Row) -> String {
+    let missing: Vec<String> = row
+        .evidence
+        .iter()
+        .filter(|e| e.status == Status::Missing && !is_memory(e))
+        .map(|e| format!("{}: wanted {}; {}", e.claim, e.wanted, e.seen))
+        .collect();
+    format!("vacuous: {}", missing.join("; "))
+}
+
 fn fail(mut row: Row, why: String) -> Row {
     row.verdict = Verdict::Error;
     row.failure = Some(why);
@@ -267,6 +319,7 @@ fn verdict(row: &mut Row, tolerance: &Tolerance) {
     let mut why = Vec::new();
     if !tolerance.allow.contains(&row.verdict) {
         why.push(match &row.first_divergence {
+            _ if row.verdict == Verdict::Vacuous => missing_claims(row),
             Some(d) => format!("{} at step {} (position {})", row.verdict.name(), d.choice.step, d.position),
             None => row.verdict.name().to_string(),
         });

@@ -24,6 +24,7 @@ mod judge;
 mod requests;
 mod select;
 mod steps;
+mod witness;
 
 use select::Filter;
 pub use select::{check_selection, nothing_selected};

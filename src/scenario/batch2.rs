@@ -6,7 +6,7 @@
 //!   rows' positions differ and exchanging or sharing them shows.
 
 use super::{CaseOutput, ForcedSeq, Prompt, Setup, attempt, case, decode_all, need_batch, prefill, ragged_partner};
-use crate::engine::EnginePath;
+use crate::engine::{EnginePath, Session};
 
 pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
     let mut out = Vec::new();
@@ -15,14 +15,14 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
         attempt(setup, &mut out, &[(p, "same")], |setup| {
             need_batch(path.info(), 2)?;
             let reference = setup.reference(&p.ids)?;
-            let mut s = path.session(setup.faults)?;
+            let mut s = setup.open(path)?;
             let mut lives =
                 [ForcedSeq::new(s.create(0)?, &reference, steps), ForcedSeq::new(s.create(0)?, &reference, steps)];
             for live in lives.iter_mut() {
-                prefill(s.as_mut(), live, &p.ids)?;
+                prefill(&mut s, live, &p.ids)?;
             }
-            decode_all(s.as_mut(), &mut lives)?;
-            Ok(vec![case(s.as_mut(), "same", p, &reference, lives.into_iter().map(|l| l.trace).collect())?])
+            decode_all(&mut s, &mut lives)?;
+            Ok(vec![case(&mut s, "same", p, &reference, lives.into_iter().map(|l| l.trace).collect())?])
         });
 
         if let Some(j) = ragged_partner(prompts, i) {
@@ -31,14 +31,14 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
                 let other = &prompts[j];
                 let reference = setup.reference(&p.ids)?;
                 let other_ref = setup.reference(&other.ids)?;
-                let mut s = path.session(setup.faults)?;
+                let mut s = setup.open(path)?;
                 let mut lives =
                     [ForcedSeq::new(s.create(0)?, &other_ref, steps), ForcedSeq::new(s.create(0)?, &reference, steps)];
-                prefill(s.as_mut(), &mut lives[0], &other.ids)?;
-                prefill(s.as_mut(), &mut lives[1], &p.ids)?;
-                decode_all(s.as_mut(), &mut lives)?;
+                prefill(&mut s, &mut lives[0], &other.ids)?;
+                prefill(&mut s, &mut lives[1], &p.ids)?;
+                decode_all(&mut s, &mut lives)?;
                 let [_, mine] = lives;
-                let mut c = case(s.as_mut(), "ragged", p, &reference, vec![mine.trace])?;
+                let mut c = case(&mut s, "ragged", p, &reference, vec![mine.trace])?;
                 c.notes.push(format!("row 0: {} ({} tokens)", other.name, other.ids.len()));
                 Ok(vec![c])
             });

@@ -36,7 +36,7 @@ fn schedule(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) ->
     for j in 0..s.requests {
         references.push(setup.reference(&prompts[j % prompts.len()].ids)?);
     }
-    let mut session = path.session(setup.faults)?;
+    let mut session = setup.open(path)?;
     let mut pending = Vec::new();
     for (j, arrival) in s.schedule(max_tokens).into_iter().enumerate() {
         let prompt = prompts[j % prompts.len()].clone();
@@ -55,11 +55,11 @@ fn schedule(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) ->
             let Some(mut r) = pending.pop_front() else {
                 break;
             };
-            prefill(session.as_mut(), &mut r.live, &r.prompt.ids)?;
+            prefill(&mut session, &mut r.live, &r.prompt.ids)?;
             r.joined = Some(step);
             active.push(r);
         }
-        retire(session.as_mut(), &mut active, &mut finished)?;
+        retire(&mut session, &mut active, &mut finished)?;
         if active.is_empty() {
             if let Some(next) = pending.front() {
                 step = step.max(next.arrival);
@@ -68,8 +68,8 @@ fn schedule(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) ->
         }
         peak_batch = peak_batch.max(active.len());
         let mut lives: Vec<&mut ForcedSeq> = active.iter_mut().map(|r| &mut r.live).collect();
-        decode_step(session.as_mut(), &mut lives)?;
-        retire(session.as_mut(), &mut active, &mut finished)?;
+        decode_step(&mut session, &mut lives)?;
+        retire(&mut session, &mut active, &mut finished)?;
         step += 1;
     }
     finished.sort_by_key(|r| r.index);
@@ -77,7 +77,7 @@ fn schedule(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) ->
         .into_iter()
         .map(|r| {
             let mut c =
-                case(session.as_mut(), format!("req{}", r.index), &r.prompt, &references[r.index], vec![r.live.trace])?;
+                case(&mut session, format!("req{}", r.index), &r.prompt, &references[r.index], vec![r.live.trace])?;
             c.notes.push(format!(
                 "arrived step {}, joined step {}, {} steps, peak batch {peak_batch}",
                 r.arrival,

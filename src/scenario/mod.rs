@@ -22,6 +22,9 @@ pub mod requests;
 pub mod rollback;
 pub mod script;
 pub mod single;
+mod watched;
+
+pub use watched::{Driven, Watched};
 
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
@@ -30,10 +33,10 @@ use std::time::{Duration, Instant};
 use mlx_rs::Array;
 
 use crate::array::{greedy, require_finite, rows};
-use crate::engine::{self, EnginePath, PathInfo, Session, ShareMode};
+use crate::engine::{self, EnginePath, PathInfo, Session};
 use crate::error::{Error, Result};
 use crate::faults::Faults;
-use crate::kv::{KvStats, SeqId};
+use crate::kv::{Counters, KvStats, SeqId};
 use crate::model::RowStep;
 use crate::vocab::{PathTrace, Prompt, Scenario, Script, Settings, StepLayout, Trace};
 
@@ -123,6 +126,19 @@ pub struct CaseOutput<M = Sequences> {
     /// The KV store's books when the case ended ([`Session::audit`]): a leak or refcount
     /// mismatch, naming the blocks, fails the row even when every token matches.
     pub audit: Option<String>,
+    /// What the case's session showed beside the tokens (stepped paths): the evidence its
+    /// claims are judged on.
+    pub observed: Option<Observed>,
+}
+
+/// What a stepped case's session showed when it ended: parity's record of its own driving,
+/// what the engine counted, and the lengths of the sequences still live (what a paged path's
+/// blocks and a layout's bytes are held to).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Observed {
+    pub driven: Driven,
+    pub counters: Option<Counters>,
+    pub live: Vec<usize>,
 }
 
 /// What a stepped case measured: the sequences it decoded (e.g. both rows of a same-prompt
@@ -148,6 +164,7 @@ impl<M> CaseOutput<M> {
             kv: None,
             outcome,
             audit: None,
+            observed: None,
         }
     }
 }
@@ -229,6 +246,12 @@ impl<'r> Setup<'r> {
             scripts: Vec::new(),
             reference_time: Duration::ZERO,
         }
+    }
+
+    /// A fresh session of `path` with this run's faults planted, watched (see [`Watched`]).
+    pub fn open<'p>(&self, path: &'p mut dyn EnginePath) -> Result<Watched<'p>> {
+        let block_size = path.info().capabilities.block_size;
+        Ok(Watched::new(path.session(self.faults)?, block_size))
     }
 
     /// Time spent on the reference path so far.
@@ -465,58 +488,6 @@ pub fn trim_exact(s: &mut dyn Session, seq: SeqId, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// A session that counts the time spent inside the engine: what explore reports as the
-/// engine's share of its time (the rest is parity's: generating, comparing, shrinking).
-pub struct Timed<'a> {
-    inner: Box<dyn Session + 'a>,
-    pub spent: Duration,
-}
-
-impl<'a> Timed<'a> {
-    pub fn new(inner: Box<dyn Session + 'a>) -> Self {
-        Timed { inner, spent: Duration::ZERO }
-    }
-
-    fn time<T>(&mut self, f: impl FnOnce(&mut dyn Session) -> T) -> T {
-        let started = Instant::now();
-        let out = f(self.inner.as_mut());
-        self.spent += started.elapsed();
-        out
-    }
-}
-
-impl Session for Timed<'_> {
-    fn create(&mut self, masked_prefix: usize) -> Result<SeqId> {
-        self.time(|s| s.create(masked_prefix))
-    }
-    fn len(&self, seq: SeqId) -> Result<usize> {
-        self.inner.len(seq)
-    }
-    fn masked_prefix(&self, seq: SeqId) -> Result<usize> {
-        self.inner.masked_prefix(seq)
-    }
-    fn forward(&mut self, rows: &[RowStep]) -> Result<Array> {
-        // The logits are evaluated here, inside the engine's time: MLX is lazy, and a forward
-        // whose arrays were only built would leave the engine's work to the comparison.
-        self.time(|s| s.forward(rows).and_then(|a| a.eval().map(|_| a).map_err(Error::from)))
-    }
-    fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize> {
-        self.time(|s| s.trim(seq, n))
-    }
-    fn release(&mut self, seq: SeqId) -> Result<()> {
-        self.time(|s| s.release(seq))
-    }
-    fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<(SeqId, ShareMode)>> {
-        self.time(|s| s.share_prefix(donor, rows))
-    }
-    fn stats(&mut self) -> Result<Option<KvStats>> {
-        self.time(|s| s.stats())
-    }
-    fn audit(&mut self) -> Result<Option<String>> {
-        self.time(|s| s.audit())
-    }
-}
-
 /// A case that needs `rows` sequences in one forward: skipped on a path that cannot batch them.
 pub fn need_batch(info: &PathInfo, rows: usize) -> Result<()> {
     match info.capabilities.max_batch {
@@ -563,9 +534,9 @@ pub fn ragged_partner(prompts: &[Prompt], i: usize) -> Option<usize> {
 }
 
 /// A case's output: the traces of its sequences for `prompt`, the reference they are compared
-/// with, and the memory its KV store held at the end (peak included).
+/// with, the memory its KV store held at the end (peak included), and what its session showed.
 pub fn case(
-    s: &mut dyn Session,
+    s: &mut Watched,
     case: impl Into<String>,
     prompt: &Prompt,
     reference: &Trace,
@@ -573,5 +544,11 @@ pub fn case(
 ) -> Result<CaseOutput> {
     let audit = s.audit()?;
     let measured = paths.into_iter().map(|trace| Decoded { reference: reference.clone(), trace }).collect();
-    Ok(CaseOutput { kv: s.stats()?, audit, ..CaseOutput::new(case, prompt, measured, Outcome::Ran) })
+    let observed = Observed { driven: s.driven.clone(), counters: s.counters()?, live: s.live_lengths()? };
+    Ok(CaseOutput {
+        kv: s.stats()?,
+        audit,
+        observed: Some(observed),
+        ..CaseOutput::new(case, prompt, measured, Outcome::Ran)
+    })
 }

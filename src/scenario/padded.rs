@@ -14,7 +14,7 @@ use super::{
     CaseOutput, ForcedSeq, Prompt, Setup, attempt, case, decode_all, need_batch, need_masked_prefix, record_step,
     trim_exact,
 };
-use crate::engine::EnginePath;
+use crate::engine::{EnginePath, Session};
 use crate::error::Error;
 use crate::model::RowStep;
 
@@ -31,19 +31,19 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
                 return Err(Error::Invalid("tile must be positive".into()));
             }
             let reference = setup.reference(&p.ids)?;
-            let mut s = path.session(setup.faults)?;
+            let mut s = setup.open(path)?;
             let mut live = ForcedSeq::new(s.create(0)?, &reference, steps);
             let t = round(n);
             let mut tokens = p.ids.clone();
             tokens.resize(t, pad);
             let logits = s.forward(&[RowStep { seq: live.seq, tokens, logits_at: n - 1 }])?;
-            record_step(s.as_ref(), &mut [&mut live], &logits, &[n - 1])?;
-            trim_exact(s.as_mut(), live.seq, t - n)?;
+            record_step(&s, &mut [&mut live], &logits, &[n - 1])?;
+            trim_exact(&mut s, live.seq, t - n)?;
             live.pads_trimmed = t - n;
             let mut lives = [live];
-            decode_all(s.as_mut(), &mut lives)?;
+            decode_all(&mut s, &mut lives)?;
             let [live] = lives;
-            let mut c = case(s.as_mut(), "tile", p, &reference, vec![live.trace])?;
+            let mut c = case(&mut s, "tile", p, &reference, vec![live.trace])?;
             c.notes.push(format!("padded {n} -> {t}, trimmed {}", t - n));
             Ok(vec![c])
         });
@@ -59,7 +59,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
                 let reference = setup.reference(&p.ids)?;
                 let other_ref = setup.reference(&other.ids)?;
                 let t = round(n.max(other.ids.len()));
-                let mut s = path.session(setup.faults)?;
+                let mut s = setup.open(path)?;
                 let mut lives =
                     [ForcedSeq::new(s.create(0)?, &reference, steps), ForcedSeq::new(s.create(0)?, &other_ref, steps)];
                 let rows: Vec<RowStep> = [(&lives[0], &p.ids), (&lives[1], &other.ids)]
@@ -73,15 +73,15 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
                 let logits = s.forward(&rows)?;
                 {
                     let [a, b] = &mut lives;
-                    record_step(s.as_ref(), &mut [a, b], &logits, &[n - 1, other.ids.len() - 1])?;
+                    record_step(&s, &mut [a, b], &logits, &[n - 1, other.ids.len() - 1])?;
                 }
                 for (live, len) in lives.iter_mut().zip([n, other.ids.len()]) {
-                    trim_exact(s.as_mut(), live.seq, t - len)?;
+                    trim_exact(&mut s, live.seq, t - len)?;
                     live.pads_trimmed = t - len;
                 }
-                decode_all(s.as_mut(), &mut lives)?;
+                decode_all(&mut s, &mut lives)?;
                 let [mine, _] = lives;
-                let mut c = case(s.as_mut(), "batch-right", p, &reference, vec![mine.trace])?;
+                let mut c = case(&mut s, "batch-right", p, &reference, vec![mine.trace])?;
                 c.notes.push(format!(
                     "rows {n} and {} padded to {t}, trimmed {} and {}",
                     other.ids.len(),
@@ -103,7 +103,7 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
             let l = longer.len();
             let t = round(l);
             let masked = l - n;
-            let mut s = path.session(setup.faults)?;
+            let mut s = setup.open(path)?;
             let mut lives = [
                 ForcedSeq::new(s.create(masked)?, &reference, steps),
                 ForcedSeq::new(s.create(0)?, &longer_ref, steps),
@@ -120,15 +120,15 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
             let logits = s.forward(&rows)?;
             {
                 let [a, b] = &mut lives;
-                record_step(s.as_ref(), &mut [a, b], &logits, &[l - 1, l - 1])?;
+                record_step(&s, &mut [a, b], &logits, &[l - 1, l - 1])?;
             }
             for live in lives.iter_mut() {
-                trim_exact(s.as_mut(), live.seq, t - l)?;
+                trim_exact(&mut s, live.seq, t - l)?;
                 live.pads_trimmed = t - l;
             }
-            decode_all(s.as_mut(), &mut lives)?;
+            decode_all(&mut s, &mut lives)?;
             let [mine, _] = lives;
-            let mut c = case(s.as_mut(), "batch-left", p, &reference, vec![mine.trace])?;
+            let mut c = case(&mut s, "batch-left", p, &reference, vec![mine.trace])?;
             c.notes.push(format!("{masked} left pads (masked), {n} real, {} right pads trimmed", t - l));
             Ok(vec![c])
         });

@@ -1,6 +1,7 @@
 //! prefix: a second request whose prompt shares a prefix with a first one adopts the first's
-//! KV rows instead of recomputing them (paged: refcounted blocks, copy on write). The dense
-//! backend cannot share storage and recomputes. Both must give the same tokens.
+//! KV rows instead of recomputing them (paged: refcounted blocks, copy on write; dense: the rows
+//! copied into the adopter's own slot). Both must give the same tokens, and a path that
+//! answers with no sequence (parity then recomputes) makes the row `vacuous`.
 //!
 //! The shared prefix ends mid-block, so the adopter's first write lands in a block the donor
 //! also holds: without copy-on-write one of them overwrites the other's rows.
@@ -46,18 +47,18 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
             let donor_ref = setup.reference(&p.ids)?;
             let adopter_ref = setup.reference(&derived.ids)?;
             let name = path.info().name.clone();
-            let mut s = path.session(setup.faults)?;
+            let mut s = setup.open(path)?;
             let mut donor = ForcedSeq::new(s.create(0)?, &donor_ref, steps);
-            prefill(s.as_mut(), &mut donor, &p.ids)?;
+            prefill(&mut s, &mut donor, &p.ids)?;
             let mut lives = [donor];
-            decode_all(s.as_mut(), &mut lives)?;
+            decode_all(&mut s, &mut lives)?;
             let [donor] = lives;
-            let (adopter, mode) = adopt(s.as_mut(), donor.seq, share, &derived, &adopter_ref, steps)?;
+            let (adopter, mode) = adopt(&mut s, donor.seq, share, &derived, &adopter_ref, steps)?;
             s.release(donor.seq)?;
             let mut lives = [adopter];
-            decode_all(s.as_mut(), &mut lives)?;
+            decode_all(&mut s, &mut lives)?;
             let [adopter] = lives;
-            let mut c = case(s.as_mut(), "after-finish", &derived, &adopter_ref, vec![adopter.trace])?;
+            let mut c = case(&mut s, "after-finish", &derived, &adopter_ref, vec![adopter.trace])?;
             c.notes.push(note(mode, &name, share, &derived));
             Ok(vec![c])
         });
@@ -68,22 +69,22 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
             let adopter_ref = setup.reference(&derived.ids)?;
             let name = path.info().name.clone();
             super::need_batch(path.info(), 2)?;
-            let mut s = path.session(setup.faults)?;
+            let mut s = setup.open(path)?;
             let mut donor = ForcedSeq::new(s.create(0)?, &donor_ref, steps);
-            prefill(s.as_mut(), &mut donor, &p.ids)?;
+            prefill(&mut s, &mut donor, &p.ids)?;
             for _ in 0..2 {
                 if !donor.done() {
-                    decode_step(s.as_mut(), &mut [&mut donor])?;
+                    decode_step(&mut s, &mut [&mut donor])?;
                 }
             }
-            let (adopter, mode) = adopt(s.as_mut(), donor.seq, share, &derived, &adopter_ref, steps)?;
+            let (adopter, mode) = adopt(&mut s, donor.seq, share, &derived, &adopter_ref, steps)?;
             let mut lives = [donor, adopter];
-            decode_all(s.as_mut(), &mut lives)?;
+            decode_all(&mut s, &mut lives)?;
             let [donor, adopter] = lives;
             let notes = note(mode, &name, share, &derived);
-            let mut c = case(s.as_mut(), "while-running", p, &donor_ref, vec![donor.trace])?;
+            let mut c = case(&mut s, "while-running", p, &donor_ref, vec![donor.trace])?;
             c.notes.push(notes.clone());
-            let mut d = case(s.as_mut(), "while-running/adopter", &derived, &adopter_ref, vec![adopter.trace])?;
+            let mut d = case(&mut s, "while-running/adopter", &derived, &adopter_ref, vec![adopter.trace])?;
             d.notes.push(notes);
             Ok(vec![c, d])
         });

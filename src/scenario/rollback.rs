@@ -4,7 +4,7 @@
 //! rewind, changes the next token's attention.
 
 use super::{CaseOutput, ForcedSeq, Prompt, Setup, attempt, case, decode_step, prefill, trim_exact};
-use crate::engine::EnginePath;
+use crate::engine::{EnginePath, Session};
 use crate::model::RowStep;
 
 pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
@@ -15,22 +15,22 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
     for p in prompts {
         attempt(setup, &mut out, &[(p, &name)], |setup| {
             let reference = setup.reference(&p.ids)?;
-            let mut s = path.session(setup.faults)?;
+            let mut s = setup.open(path)?;
             let mut live = ForcedSeq::new(s.create(0)?, &reference, setup.settings.max_tokens);
-            prefill(s.as_mut(), &mut live, &p.ids)?;
+            prefill(&mut s, &mut live, &p.ids)?;
             let mut rollbacks = 0;
             while !live.done() {
                 if k > 0 && live.trace.tokens.len().is_multiple_of(every) {
                     let next = live.next_input()?;
                     let drafts: Vec<u32> = (0..k as u32).map(|d| (next + 1 + d) % vocab).collect();
                     s.forward(&[RowStep::new(live.seq, drafts)])?;
-                    trim_exact(s.as_mut(), live.seq, k)?;
+                    trim_exact(&mut s, live.seq, k)?;
                     live.rolled_back += k;
                     rollbacks += 1;
                 }
-                decode_step(s.as_mut(), &mut [&mut live])?;
+                decode_step(&mut s, &mut [&mut live])?;
             }
-            let mut c = case(s.as_mut(), name.clone(), p, &reference, vec![live.trace])?;
+            let mut c = case(&mut s, name.clone(), p, &reference, vec![live.trace])?;
             c.notes.push(format!("{rollbacks} rollbacks of {k} rows"));
             Ok(vec![c])
         });

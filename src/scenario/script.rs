@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::time::Duration;
 
-use super::{CaseOutput, Decoded, Outcome, Setup, Stream, Timed, need_batch, need_masked_prefix, trim_exact};
+use super::{CaseOutput, Decoded, Observed, Outcome, Setup, Stream, need_batch, need_masked_prefix, trim_exact};
 use crate::array::{greedy, rows};
 use crate::engine::{EnginePath, Session};
 use crate::error::{Error, Result};
@@ -162,7 +162,7 @@ fn execute(
     let at = |i: usize| move |e: Error| (Some(i), e);
     let info = path.info().clone();
     let pad = setup.pad_token;
-    let mut s = Timed::new(path.session(setup.faults).map_err(|e| (None, e))?);
+    let mut s = setup.open(path).map_err(|e| (None, e))?;
     let mut live: BTreeMap<String, Live> = BTreeMap::new();
     let mut done: Vec<Decoded> = Vec::new();
     let mut audit = None;
@@ -261,10 +261,13 @@ fn execute(
     done.extend(live.into_values().map(|l| l.decoded));
     done.retain(|d| !d.trace.tokens.is_empty());
     let kv = s.stats().map_err(|e| (None, e))?;
+    let counters = s.counters().map_err(|e| (None, e))?;
+    let live = s.live_lengths().map_err(|e| (None, e))?;
     ran.engine = s.spent;
     let mut c = CaseOutput::new("", &Prompt { name: String::new(), ids: Vec::new() }, done, Outcome::Ran);
     c.kv = kv;
     c.audit = audit;
+    c.observed = Some(Observed { driven: s.driven.clone(), counters, live });
     Ok(c)
 }
 

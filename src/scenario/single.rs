@@ -2,20 +2,20 @@
 //! itself; on any other path it is the first thing it must get right.
 
 use super::{CaseOutput, ForcedSeq, Prompt, Setup, attempt, case, decode_all, prefill};
-use crate::engine::EnginePath;
+use crate::engine::{EnginePath, Session};
 
 pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Vec<CaseOutput> {
     let mut out = Vec::new();
     for p in prompts {
         attempt(setup, &mut out, &[(p, "plain")], |setup| {
             let reference = setup.reference(&p.ids)?;
-            let mut s = path.session(setup.faults)?;
+            let mut s = setup.open(path)?;
             let mut live = ForcedSeq::new(s.create(0)?, &reference, setup.settings.max_tokens);
-            prefill(s.as_mut(), &mut live, &p.ids)?;
+            prefill(&mut s, &mut live, &p.ids)?;
             let mut lives = [live];
-            decode_all(s.as_mut(), &mut lives)?;
+            decode_all(&mut s, &mut lives)?;
             let [live] = lives;
-            Ok(vec![case(s.as_mut(), "plain", p, &reference, vec![live.trace])?])
+            Ok(vec![case(&mut s, "plain", p, &reference, vec![live.trace])?])
         });
     }
     out

@@ -13,8 +13,8 @@ use super::raw::{RawEngine, RawPath, RawScript, SettingsPatch, TolerancePatch};
 use super::{SuiteError, line_col, openai};
 use crate::dtype::DtypeSetting;
 use crate::vocab::{
-    BuiltinPath, CheckpointSpec, EngineSpec, Op, Pinned, ProcessSpec, PromptSource, PromptSpec, ReferenceSpec,
-    RequestPrompt, RequestScript, Scenario, Script, ScriptSpec, Settings, Tolerance, Verdict,
+    BuiltinPath, CLAIMS, CheckpointSpec, EngineSpec, Op, Pinned, ProcessSpec, PromptSource, PromptSpec, REQUIREMENTS,
+    ReferenceSpec, RequestPrompt, RequestScript, Scenario, Script, ScriptSpec, Settings, Tolerance, Verdict, Witness,
 };
 
 pub(super) struct Ctx<'a> {
@@ -172,7 +172,17 @@ impl Ctx<'_> {
             t.bitwise = b;
         }
         if let Some(strict) = p.strict {
+            let vacuous = t.allow.contains(&Verdict::Vacuous);
             t.allow = if strict { vec![Verdict::Identical] } else { vec![Verdict::Identical, Verdict::NearTie] };
+            if vacuous {
+                t.allow.push(Verdict::Vacuous);
+            }
+        }
+        if let Some(vacuous) = p.vacuous {
+            t.allow.retain(|&v| v != Verdict::Vacuous);
+            if vacuous {
+                t.allow.push(Verdict::Vacuous);
+            }
         }
         Ok(())
     }
@@ -205,6 +215,81 @@ impl Ctx<'_> {
                 return Err(self.err(b.span(), format!("path `{name}` is listed twice")));
             }
             out.push(name.clone());
+        }
+        Ok(out)
+    }
+
+    /// `[engine.witness.PATH]` of the engine a checkpoint runs on: each path one of the
+    /// engine's, each claim and requirement one parity knows, counters only where the engine
+    /// has a metrics endpoint to read them from.
+    pub(super) fn witness(
+        &self,
+        raw: Option<&Spanned<RawEngine>>,
+        engine: &EngineSpec,
+    ) -> Result<BTreeMap<String, Witness>, SuiteError> {
+        let mut out = BTreeMap::new();
+        let Some(table) = raw.and_then(|r| r.get_ref().witness.as_ref()) else { return Ok(out) };
+        let known = engine.known_paths();
+        let metrics = matches!(engine, EngineSpec::Openai(o) if o.metrics.is_some());
+        for (path, w) in table.get_ref() {
+            let at = w.span();
+            if !known.contains(path) {
+                return Err(self.err(
+                    table.span(),
+                    format!("engine.witness.{path}: not a path of this engine ({})", known.join(", ")),
+                ));
+            }
+            let w = w.get_ref();
+            let mut spec = Witness::default();
+            for (claim, why) in w.waive.iter().flatten() {
+                if !CLAIMS.contains(&claim.as_str()) {
+                    return Err(self.err(
+                        at,
+                        format!("engine.witness.{path}.waive: unknown claim `{claim}` ({})", CLAIMS.join(", ")),
+                    ));
+                }
+                if why.trim().is_empty() {
+                    return Err(
+                        self.err(at, format!("engine.witness.{path}.waive.{claim}: say why the path does not show it"))
+                    );
+                }
+                spec.waive.insert(claim.clone(), why.clone());
+            }
+            for r in w.require.iter().flatten() {
+                if !REQUIREMENTS.contains(&r.get_ref().as_str()) {
+                    return Err(self.err(
+                        r.span(),
+                        format!(
+                            "engine.witness.{path}.require: unknown evidence `{}` ({})",
+                            r.get_ref(),
+                            REQUIREMENTS.join(", ")
+                        ),
+                    ));
+                }
+                spec.require.push(r.get_ref().clone());
+            }
+            for (key, list, into) in [("moves", &w.moves, &mut spec.moves), ("still", &w.still, &mut spec.still)] {
+                for m in list.iter().flatten() {
+                    if !metrics {
+                        return Err(self.err(
+                            m.span(),
+                            format!(
+                                "engine.witness.{path}.{key}: counters are read from the server's metrics \
+                                 endpoint; set engine.metrics (kind = \"openai\")"
+                            ),
+                        ));
+                    }
+                    let name = m.get_ref();
+                    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "_:".contains(c)) {
+                        return Err(self.err(
+                            m.span(),
+                            format!("engine.witness.{path}.{key}: `{name}` is not a Prometheus metric name"),
+                        ));
+                    }
+                    into.push(name.clone());
+                }
+            }
+            out.insert(path.clone(), spec);
         }
         Ok(out)
     }

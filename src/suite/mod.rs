@@ -174,6 +174,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             Some(e) => cx.engine(e)?,
             None => suite_engine.clone(),
         };
+        let witness = cx.witness(c.engine.as_ref().or(raw.engine.as_ref()), &engine)?;
         let paths = match c.backends.as_ref().or(raw.backends.as_ref()) {
             Some(b) => cx.paths(b, &engine)?,
             None => engine.path_names(),
@@ -199,6 +200,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             settings,
             tolerance,
             prompts: prompt_names,
+            witness,
         };
         cx.audit(&spec, &prompts, &spans, span)?;
         checkpoints.push(spec);

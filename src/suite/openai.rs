@@ -91,6 +91,12 @@ pub(super) fn parse(cx: &Ctx, raw: &Spanned<RawEngine>) -> Result<EngineSpec, Su
         Some(r) => r.get_ref().clone(),
         None => "/health".to_string(),
     };
+    let metrics = match &e.metrics {
+        Some(m) if !m.get_ref().starts_with('/') => {
+            return Err(cx.err(m.span(), "engine.metrics: a path on the server, starting with `/` (e.g. /metrics)"));
+        }
+        m => m.as_ref().map(|m| m.get_ref().clone()),
+    };
     let top_logprobs = match &e.top_logprobs {
         Some(k) if !(1..=1000).contains(k.get_ref()) => {
             return Err(cx.err(k.span(), format!("engine.top_logprobs: {} must be in 1..=1000", k.get_ref())));
@@ -112,6 +118,7 @@ pub(super) fn parse(cx: &Ctx, raw: &Spanned<RawEngine>) -> Result<EngineSpec, Su
         paths,
         reference,
         ready,
+        metrics,
         timeout: cx.seconds("engine.timeout", &e.timeout, 300.0)?,
         start_timeout: cx.seconds("engine.start_timeout", &e.start_timeout, 300.0)?,
         top_logprobs,
@@ -179,6 +186,7 @@ pub(super) fn openai_only_key(raw: &Spanned<RawEngine>) -> Option<(&'static str,
         ("request", e.request.as_ref().map(|v| v.span())),
         ("name", e.name.as_ref().map(|_| raw.span())),
         ("stream_logprobs", e.stream_logprobs.map(|_| raw.span())),
+        ("metrics", span(&e.metrics)),
     ]
     .into_iter()
     .find_map(|(k, s)| s.map(|s| (k, s)))

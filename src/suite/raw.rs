@@ -81,6 +81,20 @@ pub(super) struct RawEngine {
     pub(super) stream_logprobs: Option<bool>,
     pub(super) prompt: Option<Spanned<String>>,
     pub(super) request: Option<Spanned<toml::Table>>,
+    /// The server's Prometheus endpoint (kind = "openai"), read by paths' `moves`/`still`.
+    pub(super) metrics: Option<Spanned<String>>,
+    /// `[engine.witness.PATH]`: what each path must show.
+    pub(super) witness: Option<Spanned<std::collections::BTreeMap<String, Spanned<RawWitness>>>>,
+}
+
+/// One path's `[engine.witness.PATH]` table.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWitness {
+    pub(super) waive: Option<std::collections::BTreeMap<String, String>>,
+    pub(super) require: Option<Vec<Spanned<String>>>,
+    pub(super) moves: Option<Vec<Spanned<String>>>,
+    pub(super) still: Option<Vec<Spanned<String>>>,
 }
 
 /// One `[engine.paths]` entry: extra arguments, or (kind = "openai") a table with the
@@ -152,4 +166,6 @@ pub(super) struct TolerancePatch {
     pub(super) strict: Option<bool>,
     pub(super) max_logprob_delta: Option<Spanned<f64>>,
     pub(super) bitwise: Option<bool>,
+    /// Let rows whose claims lack their evidence pass (`vacuous` is then allowed).
+    pub(super) vacuous: Option<bool>,
 }

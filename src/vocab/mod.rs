@@ -4,6 +4,7 @@
 //! Engines, scenarios, comparisons and reports all read these types; none of them owns one.
 
 pub mod audit;
+mod evidence;
 mod path;
 mod scenario;
 mod script;
@@ -11,6 +12,7 @@ mod suite;
 mod trace;
 mod verdict;
 
+pub use evidence::{CLAIMS, Evidence, MEMORY_CLAIMS, REQUIREMENTS, Status, Witness};
 pub use path::{BuiltinPath, EngineId};
 pub use scenario::{Arrival, ConcurrentSettings, REQUEST_LEVEL, STEP_LEVEL, Scenario, Settings};
 pub use script::{Op, PromptCut, Request, RequestPrompt, RequestScript, RequestWhen, Script};

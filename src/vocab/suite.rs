@@ -2,13 +2,14 @@
 //! serves its paths, the scenarios and settings it runs, and its tolerance. The parser
 //! (`crate::suite`) produces these, checked; everything that runs a suite reads them.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::{Map, Value};
 
 use super::audit::{Problem, lengths_problem, request_level_problems, settings_problems};
-use super::{BuiltinPath, RequestScript, Scenario, Script, Settings, Verdict};
+use super::{BuiltinPath, RequestScript, Scenario, Script, Settings, Verdict, Witness};
 use crate::dtype::DtypeSetting;
 use crate::kv::Backend;
 
@@ -104,6 +105,9 @@ pub struct OpenaiSpec {
     pub reference: String,
     /// GET this (relative to the server's root) until it answers 200: the server is ready.
     pub ready: String,
+    /// The server's Prometheus text endpoint (relative to its root), scraped before and after
+    /// each case where a path's witness names counters (`moves`, `still`).
+    pub metrics: Option<String>,
     /// Longest any one request may take.
     pub timeout: Duration,
     /// Longest from spawn to ready (model load).
@@ -216,6 +220,16 @@ pub struct CheckpointSpec {
     pub tolerance: Tolerance,
     /// Prompt names this checkpoint runs (all when the suite does not say).
     pub prompts: Vec<String>,
+    /// What each path must show (`[engine.witness.PATH]`), by path name; a path not named
+    /// keeps the default rules.
+    pub witness: BTreeMap<String, Witness>,
+}
+
+impl CheckpointSpec {
+    /// What path `name` must show.
+    pub fn witness(&self, name: &str) -> Witness {
+        self.witness.get(name).cloned().unwrap_or_default()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

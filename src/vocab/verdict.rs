@@ -7,6 +7,9 @@ use serde::{Deserialize, Serialize};
 pub enum Verdict {
     Identical,
     NearTie,
+    /// The tokens agree, but the path did not do what the case exists to test (a claim its
+    /// evidence contradicts): not a pass unless the suite allows it.
+    Vacuous,
     Diverged,
     Error,
     Skipped,
@@ -17,20 +20,23 @@ impl Verdict {
         match self {
             Verdict::Identical => "identical",
             Verdict::NearTie => "near-tie",
+            Verdict::Vacuous => "vacuous",
             Verdict::Diverged => "diverged",
             Verdict::Error => "error",
             Verdict::Skipped => "skipped",
         }
     }
 
-    /// Severity for "worst of" aggregation: skipped < identical < near-tie < diverged < error.
+    /// Severity for "worst of" aggregation: skipped < identical < near-tie < vacuous <
+    /// diverged < error.
     pub fn rank(self) -> u8 {
         match self {
             Verdict::Skipped => 0,
             Verdict::Identical => 1,
             Verdict::NearTie => 2,
-            Verdict::Diverged => 3,
-            Verdict::Error => 4,
+            Verdict::Vacuous => 3,
+            Verdict::Diverged => 4,
+            Verdict::Error => 5,
         }
     }
 }

@@ -15,7 +15,9 @@ use mlx_rs::Array;
 use serde::Serialize;
 
 use super::store::{Memo, RowStore};
-use super::{Backend, BatchKv, KvCache, KvShape, KvStats, SeqId, SeqMap, check_batch_shape, check_kv_shape};
+use super::{
+    Backend, BatchKv, Counters, KvCache, KvShape, KvStats, SeqId, SeqMap, ShareMode, check_batch_shape, check_kv_shape,
+};
 use crate::error::{Error, Result};
 use crate::faults::{Fault, Faults};
 
@@ -68,6 +70,9 @@ pub struct PagedBlockPool {
     /// reuses them.
     write_rows: Memo<Vec<i32>, Array>,
     read_plan: Memo<(Vec<i32>, usize, usize), Plan>,
+    /// What the pool did (reads count once per model call, at the first layer); a cell
+    /// because reads do not change the pool.
+    counts: std::cell::Cell<Counters>,
 }
 
 impl PagedBlockPool {
@@ -86,7 +91,45 @@ impl PagedBlockPool {
             faults,
             write_rows: Memo::new(),
             read_plan: Memo::new(),
+            counts: std::cell::Cell::new(Counters {
+                reads_crossing_blocks: Some(0),
+                reads_non_adjacent: Some(0),
+                cow_copies: Some(0),
+                rows_trimmed: Some(0),
+                blocks_freed: Some(0),
+                rows_shared: Some(0),
+                rows_copied: Some(0),
+                ..Counters::default()
+            }),
         })
+    }
+
+    fn count(&self, f: impl FnOnce(&mut Counters)) {
+        let mut c = self.counts.get();
+        f(&mut c);
+        self.counts.set(c);
+    }
+
+    /// Count a read of `seqs` (once per model call: the first layer's): whether some
+    /// sequence's rows span blocks, and whether they sit in blocks that are not adjacent,
+    /// which only a gather can read.
+    fn count_read(&self, layer: usize, seqs: &[SeqId]) -> Result<()> {
+        if layer != 0 {
+            return Ok(());
+        }
+        let bs = self.opts.block_size;
+        let (mut crossing, mut scattered) = (false, false);
+        for &seq in seqs {
+            let s = self.seq(seq)?;
+            let used = &s.table[..s.len.div_ceil(bs).min(s.table.len())];
+            crossing |= used.len() > 1;
+            scattered |= used.windows(2).any(|p| p[1] != p[0] + 1);
+        }
+        self.count(|c| {
+            Counters::add(&mut c.reads_crossing_blocks, u64::from(crossing));
+            Counters::add(&mut c.reads_non_adjacent, u64::from(scattered));
+        });
+        Ok(())
     }
 
     pub fn options(&self) -> &PoolOptions {
@@ -167,6 +210,7 @@ impl PagedBlockPool {
                 self.fill_rows(block, 0, self.opts.block_size)?;
             }
             self.free.push(block);
+            self.count(|c| Counters::add(&mut c.blocks_freed, 1));
         }
         Ok(())
     }
@@ -296,6 +340,7 @@ impl KvCache for PagedBlockPool {
             let private = self.alloc()?;
             self.copy_block(shared, private)?;
             self.unref(shared)?;
+            self.count(|c| Counters::add(&mut c.cow_copies, 1));
             let s = self.seq_mut(seq)?;
             s.table[start / bs] = private;
         }
@@ -314,6 +359,7 @@ impl KvCache for PagedBlockPool {
     }
 
     fn read(&self, layer: usize, seq: SeqId) -> Result<(Array, Array)> {
+        self.count_read(layer, &[seq])?;
         self.read_rows(layer, &[self.visible_rows(seq)?])
     }
 
@@ -324,6 +370,7 @@ impl KvCache for PagedBlockPool {
     }
 
     fn read_batch(&self, layer: usize, seqs: &[SeqId]) -> Result<BatchKv> {
+        self.count_read(layer, seqs)?;
         let rows = seqs.iter().map(|&s| self.visible_rows(s)).collect::<Result<Vec<_>>>()?;
         let (keys, values) = self.read_rows(layer, &rows)?;
         Ok(BatchKv { keys, values, visible: rows.iter().map(Vec::len).collect() })
@@ -355,6 +402,8 @@ impl KvCache for PagedBlockPool {
         if !self.faults.has(Fault::RewindKeepsPosition) {
             self.seq_mut(seq)?.len = new_len;
         }
+        let removed = len - self.seq(seq)?.len;
+        self.count(|c| Counters::add(&mut c.rows_trimmed, removed as u64));
         Ok(n)
     }
 
@@ -369,7 +418,7 @@ impl KvCache for PagedBlockPool {
         Ok(())
     }
 
-    fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<SeqId>> {
+    fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<(SeqId, ShareMode)>> {
         let bs = self.opts.block_size;
         let d = self.seq(donor)?;
         if rows > d.len {
@@ -380,15 +429,20 @@ impl KvCache for PagedBlockPool {
         for &b in &table {
             self.refcount[b] += 1;
         }
-        Ok(Some(self.seqs.insert(PagedSeq { len: rows, masked_prefix, table })))
+        self.count(|c| Counters::add(&mut c.rows_shared, rows as u64));
+        Ok(Some((self.seqs.insert(PagedSeq { len: rows, masked_prefix, table }), ShareMode::Storage)))
     }
 
     fn audit(&self) -> Result<()> {
         super::audit::audit(&self.refcount, &self.free, self.seqs.iter().map(|(id, s)| (id, s.table.as_slice())))
     }
 
+    fn counters(&self) -> Counters {
+        self.counts.get()
+    }
+
     fn stats(&self) -> KvStats {
-        let row = self.shape.row_bytes();
+        let row = self.store.row_bytes();
         let block_bytes = row * self.opts.block_size as u64;
         let in_use = self.blocks_in_use();
         KvStats {

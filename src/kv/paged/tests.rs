@@ -139,7 +139,7 @@ fn shared_prefix_is_refcounted_and_copied_on_write() {
     append(&mut [&mut paged], &[donor], 1, 10); // blocks: 4 + 4 + 2
     let before = host(&paged.read(0, donor).unwrap().0);
     // Share 6 rows: ends mid-block (row 6 is in the second block).
-    let child = paged.share_prefix(donor, 6).unwrap().expect("paged shares");
+    let (child, _) = paged.share_prefix(donor, 6).unwrap().expect("paged shares");
     assert_eq!(paged.len(child).unwrap(), 6);
     assert_eq!(paged.block_table(child).unwrap(), &paged.block_table(donor).unwrap()[..2]);
     assert_eq!(paged.blocks_in_use(), 3, "sharing allocates nothing");
