@@ -50,6 +50,11 @@ share_prefix answers `mode: "copy"` (copy.deepcopy or extract, then mlx-lm's tri
 LRUPromptCache.fetch_nearest_cache does) and `unsupported` where mlx-lm cannot trim the copy.
 No cache surgery beyond mlx-lm's own methods. Logits are float32 little-endian base64, exact.
 Stats: KV bytes from the caches' nbytes (allocated) and rows x bytes-per-row (live); no blocks.
+The bytes per row the layout promises (hello's kv_row_bytes) are computed from the model's
+shape and the cache's dtype or quantization, not measured, so parity can hold the measured
+bytes to them. Counters (in every stats reply, zeroed by reset): model calls and the most rows
+one of them computed (kv, quantized and rotating run a forward's rows one call each), tokens
+computed, rows trimmed (what trim_prompt_cache returned), rows copied by share_prefix.
 """
 
 import argparse
@@ -186,7 +191,33 @@ class PathBase:
         self.seqs = {}
         self.next_id = 0
         self.peak = 0
+        self.counts = {"forwards": 0, "max_rows": 0, "tokens": 0, "rows_trimmed": 0, "rows_copied": 0}
         self.mx.clear_cache()
+
+    def count_call(self, rows, tokens):
+        """One model call over `rows` sequences of `tokens` tokens in all."""
+        self.counts["forwards"] += 1
+        self.counts["max_rows"] = max(self.counts["max_rows"], rows)
+        self.counts["tokens"] += tokens
+
+    def shape(self):
+        margs = self.model.args
+        heads = getattr(margs, "num_key_value_heads", None) or margs.num_attention_heads
+        head_dim = getattr(margs, "head_dim", None) or margs.hidden_size // margs.num_attention_heads
+        return len(self.model.layers), heads, head_dim
+
+    def value_bytes(self):
+        from mlx.utils import tree_flatten
+
+        for _, value in tree_flatten(self.model.parameters()):
+            if self.mx.issubdtype(value.dtype, self.mx.floating):
+                return value.dtype.size
+        return 4
+
+    def declared_row_bytes(self):
+        """K and V of one row over all layers, as the layout promises: the compute dtype."""
+        layers, heads, head_dim = self.shape()
+        return 2 * layers * heads * head_dim * self.value_bytes()
 
     def seq(self, seq_id):
         if not isinstance(seq_id, int) or seq_id not in self.seqs:
@@ -268,6 +299,7 @@ class PathBase:
             "peak_blocks_in_use": 0,
             "blocks_reserved": 0,
             "sequences": len(self.seqs),
+            "counters": dict(self.counts),
         }
 
 
@@ -291,6 +323,7 @@ class PerSequencePath(PathBase):
                 seq.cache = self.make_cache()
             tokens = self.mx.array([row["tokens"]], dtype=self.mx.uint32)
             logits = self.model(tokens, cache=seq.cache)[0, row["logits_at"]]
+            self.count_call(1, len(row["tokens"]))
             self.mx.eval(logits, [c.state for c in seq.cache])
             seq.written = True
             out.append(logits)
@@ -303,6 +336,7 @@ class PerSequencePath(PathBase):
         if seq.cache is None:
             return {"removed": 0, "len": 0}
         removed = self.trim_caches(seq.cache, n, f"sequence {seq_id}")
+        self.counts["rows_trimmed"] += int(removed)
         return {"removed": int(removed), "len": self.length(seq, f"sequence {seq_id}")}
 
     def release(self, seq_id):
@@ -329,6 +363,7 @@ class PerSequencePath(PathBase):
                     f"share_prefix: mlx-lm's trim of the copy removed {removed} of {have - rows} rows"
                 )
         new_id = self.add(Seq(cache=cache, written=donor.written))
+        self.counts["rows_copied"] += rows
         self.note_peak()
         return {"seq": new_id, "mode": "copy"}
 
@@ -367,6 +402,14 @@ class QuantizedPath(PerSequencePath):
                 "mx.quantize groups the last dimension, which must be a multiple of the group size"
             )
         return super().create(masked)
+
+    def declared_row_bytes(self):
+        """mx.quantize's layout: `bits` per element packed, and a scale and a bias (the compute
+        dtype) per group of `group_size`, for K and for V."""
+        layers, heads, head_dim = self.shape()
+        groups = head_dim // self.args.group_size
+        per_head = head_dim * self.args.bits // 8 + 2 * groups * self.value_bytes()
+        return 2 * layers * heads * per_head
 
     def make_cache(self):
         from mlx_lm.models.cache import QuantizedKVCache
@@ -479,6 +522,7 @@ class BatchPath(PathBase):
         by_seq = {seq_id: row for seq_id, row in zip(ids, rows)}
         tokens = self.mx.array([by_seq[s]["tokens"] for s in self.batch_ids], dtype=self.mx.uint32)
         logits = self.model(tokens, cache=self.batch)
+        self.count_call(len(self.batch_ids), tokens.size)
         order = self.mx.array([self.batch_ids.index(s) for s in ids])
         at = self.mx.array([by_seq[s]["logits_at"] for s in ids])
         picked = logits[order, at]
@@ -504,6 +548,7 @@ class BatchPath(PathBase):
         else:
             self.drop_rows([seq_id] if seq_id in self.batch_ids else [], keep_caches=True)
             removed = self.trim_caches(seq.cache, n, what) if seq.cache is not None else 0
+        self.counts["rows_trimmed"] += int(removed)
         return {"removed": int(removed), "len": self.length(seq_id)}
 
     def release(self, seq_id):
@@ -536,6 +581,7 @@ class BatchPath(PathBase):
                     f"share_prefix: mlx-lm's trim of the copy removed {removed} of {have - rows} rows"
                 )
         new_id = self.add(Seq(masked=masked, cache=cache, written=donor.written))
+        self.counts["rows_copied"] += rows
         self.note_peak()
         return {"seq": new_id, "mode": "copy"}
 
@@ -610,6 +656,7 @@ class Adapter:
                 "stats": True,
                 "faults": [],
                 "block_size": None,
+                "kv_row_bytes": path.declared_row_bytes(),
             },
         }
 

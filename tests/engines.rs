@@ -213,3 +213,63 @@ fn a_suite_named_without_a_directory_starts_its_adapters() {
         .expect("run parity");
     assert_eq!(common::code(&o), 0, "{}", common::text(&o));
 }
+
+/// A planted path (`mode` on paged, a faithful relay on dense, same suite) running `scenario`:
+/// the paged rows of that scenario and their evidence, and the dense rows, which must pass.
+fn planted(mode: &str, scenario: parity::vocab::Scenario) -> Vec<parity::report::Row> {
+    let tag = format!("parity-test-{mode}-{}", std::process::id());
+    let file = fixture_suite(&tag, &adapter_engine(&["pass", "1", &tag], &[mode, "1", &tag], 60.0));
+    let opts =
+        RunOptions { filter: Some("llama-tiny/".into()), scenarios: Some(vec![scenario]), ..RunOptions::default() };
+    let report = run(&file, &opts);
+    let dense: Vec<_> = report.rows.iter().filter(|r| r.path == "dense" && r.verdict != Verdict::Skipped).collect();
+    assert!(
+        !dense.is_empty() && dense.iter().all(|r| r.pass),
+        "{mode}: the control failed: {:?}",
+        dense.iter().find(|r| !r.pass)
+    );
+    common::assert_no_leftovers(&tag);
+    report.rows.into_iter().filter(|r| r.path == "paged" && r.verdict != Verdict::Skipped).collect()
+}
+
+/// Guards "a batched forward done row by row passes": the tokens agree, the engine's own
+/// counters say no model call held two rows, and every batch2 row is vacuous, saying so.
+#[test]
+fn a_batched_forward_run_row_by_row_is_vacuous() {
+    let rows = planted("row-by-row", parity::vocab::Scenario::Batch2);
+    assert!(!rows.is_empty());
+    for r in &rows {
+        assert_eq!(r.verdict, Verdict::Vacuous, "{}: {:?}", r.id(), r.failure);
+        assert!(!r.pass);
+        let f = r.failure.as_deref().unwrap_or_default();
+        assert!(f.contains("vacuous: batched") && f.contains("one row at a time"), "{f}");
+    }
+}
+
+/// Guards "a share_prefix answered by recomputing passes", both ways an engine can do it:
+/// refusing (parity recomputes) and replying "copy" while running the donor's tokens again.
+#[test]
+fn a_prefix_recomputed_instead_of_shared_is_vacuous() {
+    for (mode, says) in [("refuse-share", "parity recomputed"), ("recompute-share", "rows recomputed")] {
+        let rows = planted(mode, parity::vocab::Scenario::Prefix);
+        assert!(!rows.is_empty(), "{mode}");
+        for r in &rows {
+            assert_eq!(r.verdict, Verdict::Vacuous, "{mode} {}: {:?}", r.id(), r.failure);
+            let f = r.failure.as_deref().unwrap_or_default();
+            assert!(f.contains("vacuous: shared") && f.contains(says), "{mode}: {f}");
+        }
+    }
+}
+
+/// Guards "silent memory loss" (a layout stored wider than it promises, as Int8 kept as
+/// Fp16): right tokens, and every row fails with the bytes it stores against those it declares.
+#[test]
+fn kv_stored_at_twice_the_declared_bytes_fails_every_row() {
+    let rows = planted("wide-kv", parity::vocab::Scenario::Single);
+    assert!(!rows.is_empty());
+    for r in &rows {
+        assert!(!r.pass, "{}", r.id());
+        let f = r.failure.as_deref().unwrap_or_default();
+        assert!(f.contains("memory: row-bytes") && f.contains("2.00x what it declares"), "{f}");
+    }
+}

@@ -339,3 +339,73 @@ fn explore_rediscovers_the_prompt_cache_crash_and_its_reproducer_pins() {
     assert!(bad.len() == 1 && !bad[0].pass, "{bad:#?}");
     common::assert_no_leftovers(&t);
 }
+
+/// Guards "a server that serves concurrent requests one after the other passes `concurrent`":
+/// the answers agree, but none overtakes another sent before it, and the rows say so; the same
+/// suite on a server that runs them together shows it.
+#[test]
+fn a_server_that_serialises_requests_makes_concurrent_vacuous() {
+    let t = tag("serialize");
+    let file = suite(&t, "", "", &[("together", ""), ("serial", r#""--mode", "serialize""#)]);
+    let report = run(&file, &[Scenario::Concurrent]);
+    for r in rows(&report, "together") {
+        assert!(r.pass && r.verdict == Verdict::Identical, "{}: {:?}", r.id(), r.failure);
+        assert!(
+            r.evidence.iter().any(|e| e.claim == "overlapped" && e.status == parity::vocab::Status::Held),
+            "{}: {:?}",
+            r.id(),
+            r.evidence
+        );
+    }
+    for r in rows(&report, "serial") {
+        assert_eq!(r.verdict, Verdict::Vacuous, "{}: {:?}", r.id(), r.failure);
+        let f = r.failure.as_deref().unwrap_or_default();
+        assert!(f.contains("vacuous: overlapped") && f.contains("one at a time"), "{f}");
+    }
+    common::assert_no_leftovers(&t);
+}
+
+/// Guards "a prompt cache that never hits passes `repeat` and `prefix`": the server's own
+/// usage says no prompt token came from its cache, and those rows are vacuous.
+#[test]
+fn a_prompt_cache_that_never_hits_makes_cached_rows_vacuous() {
+    let t = tag("never-hits");
+    let file = suite(&t, "", "", &[("cached", ""), ("missing", r#""--mode", "cache-never-hits""#)]);
+    let report = run(&file, &[Scenario::Repeat, Scenario::Prefix]);
+    let claimed = |r: &&Row| r.evidence.iter().any(|e| e.claim == "cached");
+    let control: Vec<_> = rows(&report, "cached").into_iter().filter(claimed).collect();
+    let missing: Vec<_> = rows(&report, "missing").into_iter().filter(claimed).collect();
+    assert_eq!(control.len(), 6, "repeat:cached and prefix extends/trimmed, two prompts");
+    assert!(control.iter().all(|r| r.pass), "{:?}", control.iter().find(|r| !r.pass).map(|r| &r.failure));
+    assert_eq!(missing.len(), 6);
+    for r in missing {
+        assert_eq!(r.verdict, Verdict::Vacuous, "{}", r.id());
+        assert!(r.failure.as_deref().unwrap_or_default().contains("served none of the"), "{:?}", r.failure);
+    }
+    // `repeat:uncached` claims no cache hit.
+    assert!(rows(&report, "missing").iter().any(|r| r.case == "uncached" && r.pass));
+    common::assert_no_leftovers(&t);
+}
+
+/// A suite's witness: a counter each case on a path must move (a paged server's kernel
+/// launches) or must not. One that never moves makes every row of the path vacuous, naming it.
+#[test]
+fn prometheus_counters_a_path_must_move_are_read_around_every_case() {
+    let t = tag("metrics");
+    let witness = "metrics = \"/metrics\"\n\n\
+                   [engine.witness.counted]\nmoves = [\"fake_requests_total\", \"fake_tokens_generated_total\"]\n\
+                   still = [\"fake_paged_launches_total\"]\n\n\
+                   [engine.witness.paged]\nmoves = [\"fake_paged_launches_total\"]\n";
+    let file = suite(&t, witness, "", &[("counted", ""), ("paged", "")]);
+    let report = run(&file, &[Scenario::Single]);
+    for r in rows(&report, "counted") {
+        assert!(r.pass, "{}: {:?}", r.id(), r.failure);
+        assert_eq!(r.evidence.len(), 3, "{:?}", r.evidence);
+    }
+    for r in rows(&report, "paged") {
+        assert_eq!(r.verdict, Verdict::Vacuous);
+        let f = r.failure.as_deref().unwrap_or_default();
+        assert!(f.contains("metric:fake_paged_launches_total") && f.contains("0 -> 0"), "{f}");
+    }
+    common::assert_no_leftovers(&t);
+}

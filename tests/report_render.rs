@@ -12,6 +12,7 @@ use parity::report::{
 };
 use parity::vocab::Settings;
 use parity::vocab::Verdict;
+use parity::vocab::{Evidence, Status as Shown};
 
 const NOT_FOUND: &str = "checkpoint `Qwen/Qwen3-0.6B` not found; looked in:
   - /work/suites/Qwen/Qwen3-0.6B
@@ -142,6 +143,34 @@ fn report() -> Report {
     drift.noise_floor_rel_rms = Some(0.0);
     drift.notes = vec!["3 rollbacks of 4 rows".into()];
     rows.push(drift);
+
+    // Right tokens from a path that recomputed what it said it shared: every renderer shows
+    // the claim that lacked its evidence beside the one that had it.
+    let mut hollow = row(tiny, "prefix", "after-finish", "paged", Verdict::Vacuous);
+    hollow.pass = false;
+    let evidence = |claim: &str, wanted: &str, seen: &str, status| Evidence {
+        claim: claim.into(),
+        wanted: wanted.into(),
+        seen: seen.into(),
+        status,
+    };
+    hollow.evidence = vec![
+        evidence(
+            "crosses-blocks",
+            "reads that span blocks (a sequence of 21 rows, blocks of 16)",
+            "4 model calls whose read spanned blocks",
+            Shown::Held,
+        ),
+        evidence(
+            "shared",
+            "9 prefix rows reused (shared or copied), not recomputed",
+            "the engine said 9 rows shared, yet it computed 30 token positions for the 21 parity fed: 9 rows recomputed",
+            Shown::Missing,
+        ),
+    ];
+    hollow.failure =
+        Some(format!("vacuous: shared: wanted {}; {}", hollow.evidence[1].wanted, hollow.evidence[1].seen));
+    rows.push(hollow);
 
     for backend in ["dense", "paged"] {
         let mut s = row("qwen3-0.6b", "single", "*", backend, Verdict::Skipped);

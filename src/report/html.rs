@@ -181,9 +181,13 @@ fn summary(out: &mut String, groups: &[Vec<&Row>]) {
         Status::Pass => 1,
         Status::Skip => 2,
     });
-    out.push_str(
+    // Reports made before rows carried evidence (merged, or read back) get no empty column.
+    let evidence = groups.iter().flatten().any(|r| !r.evidence.is_empty());
+    let _ = writeln!(
+        out,
         "<section><h2>Summary</h2><table class=\"grid summary\"><thead><tr><th>status</th><th>checkpoint</th>\
-         <th>scenario</th><th>path</th><th>rows</th><th>max rel RMS</th><th>evidence</th></tr></thead><tbody>\n",
+         <th>scenario</th><th>path</th><th>rows</th><th>max rel RMS</th>{}</tr></thead><tbody>",
+        if evidence { "<th>evidence</th>" } else { "" },
     );
     for i in order {
         let g = &groups[i];
@@ -207,13 +211,17 @@ fn summary(out: &mut String, groups: &[Vec<&Row>]) {
         };
         let _ = writeln!(
             out,
-            "<tr class=\"{class}\"><td><a href=\"#g{i}\">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{worst}</td><td>{}</td></tr>",
+            "<tr class=\"{class}\"><td><a href=\"#g{i}\">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{worst}</td>{}</tr>",
             st.badge(),
             esc(&g[0].checkpoint),
             esc(&g[0].scenario),
             esc(&g[0].path),
             esc(&n),
-            esc(&evidence_summary(g, true).unwrap_or_default()),
+            if evidence {
+                format!("<td>{}</td>", esc(&evidence_summary(g, true).unwrap_or_default()))
+            } else {
+                String::new()
+            },
         );
     }
     out.push_str("</tbody></table></section>\n");
@@ -297,7 +305,11 @@ fn panel(out: &mut String, i: usize, row: &Row, checkpoint: Option<&CheckpointRe
         let _ = write!(out, "<dt>notes</dt><dd>{}</dd>", esc(&row.notes.join("; ")));
     }
     if !row.evidence.is_empty() {
-        let _ = write!(out, "<dt>evidence</dt><dd>{}</dd>", esc(&evidence_lines(row)).replace('\n', "<br>"));
+        let _ = write!(
+            out,
+            "<dt>evidence</dt><dd>{}</dd>",
+            evidence_lines(row).lines().map(esc).collect::<Vec<_>>().join("<br>")
+        );
     }
     out.push_str("</dl>\n");
     if let Some(series) = series(row, checkpoint) {

@@ -101,9 +101,7 @@ impl Judge<'_> {
         memory_claims(&mut row);
         // Same tokens from a pool that leaks is still a broken engine: the books fail the row.
         if let Some(books) = &c.audit {
-            row.verdict = Verdict::Error;
-            row.pass = false;
-            row.failure = Some(row.failure.take().map_or_else(|| books.clone(), |f| format!("{f}; {books}")));
+            fail_books(&mut row, books.clone());
         }
         row
     }
@@ -196,6 +194,8 @@ impl Judge<'_> {
         facts.finish_reason = answer.finish_reason.clone();
         facts.prompt_tokens = prompt_len;
         row.api = Some(facts);
+        row.evidence = witness::requests(self.cell.scenario, &c.case, answers, &self.spec.witness(&self.cell.path));
+        weigh_evidence(&mut row);
         self.finish(&mut row);
         row
     }
@@ -281,13 +281,21 @@ fn memory_claims(row: &mut Row) {
         .filter(|e| e.status == Status::Missing && is_memory(e))
         .map(|e| format!("memory: {}: wanted {}; {}", e.claim, e.wanted, e.seen))
         .collect();
-    if broken.is_empty() {
-        return;
+    if !broken.is_empty() {
+        fail_books(row, broken.join("; "));
     }
-    row.verdict = Verdict::Error;
+}
+
+/// Books that do not add up (a leaking pool, memory beyond the layout's promise) fail the row
+/// as an error; a row whose tokens already diverged stays `diverged`, the books beside it,
+/// so a bisect for a trim no-op (which both diverges and holds the pad rows' blocks) sees the
+/// divergence's exit code.
+fn fail_books(row: &mut Row, books: String) {
+    if row.verdict != Verdict::Diverged {
+        row.verdict = Verdict::Error;
+    }
     row.pass = false;
-    let broken = broken.join("; ");
-    row.failure = Some(row.failure.take().map_or_else(|| broken.clone(), |f| format!("{f}; {broken}")));
+    row.failure = Some(row.failure.take().map_or_else(|| books.clone(), |f| format!("{f}; {books}")));
 }
 
 fn is_memory(e: &Evidence) -> bool {

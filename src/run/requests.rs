@@ -233,7 +233,7 @@ fn scripted_case<'a>(
         }
         Err(why) => {
             let why = format!("path `{}` did not start: {why}", judge.cell.path);
-            let measured = Answers { requests: Vec::new(), sent: 0, server_ended: None };
+            let measured = Answers::unsent(0);
             CaseOutput::new(name, &Prompt { name: "*".into(), ids: Vec::new() }, measured, Outcome::NotRun(why))
         }
     }

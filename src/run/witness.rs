@@ -4,7 +4,9 @@
 //! claim into a `vacuous` row and a violated memory claim into a failed one.
 
 use crate::engine::PathInfo;
+use crate::engine::openai::Metrics;
 use crate::kv::{Counters, KvStats};
+use crate::scenario::requests::{Answers, Sent};
 use crate::scenario::{Driven, Observed};
 use crate::vocab::{Evidence, MEMORY_CLAIMS, Scenario, Status, Witness};
 
@@ -83,10 +85,104 @@ pub(super) fn steps(
         .collect()
 }
 
+/// The evidence for every claim of a server's case: parity's own timing of the schedule, the
+/// usage the server returned, and the counters the suite names.
+pub(super) fn requests(sc: Scenario, case: &str, a: &Answers, w: &Witness) -> Vec<Evidence> {
+    let mut out = Vec::new();
+    let mut claim = |claim: &str, (wanted, seen, status): Found| {
+        out.push(judged(Evidence { claim: claim.into(), wanted, seen, status }, w, false));
+    };
+    match sc {
+        Scenario::Concurrent => claim("overlapped", overlapped(&a.timeline)),
+        Scenario::Repeat if case == "cached" => claim("cached", cached(a)),
+        Scenario::Prefix => claim("cached", cached(a)),
+        _ => {}
+    }
+    for (name, moves) in w.moves.iter().map(|m| (m, true)).chain(w.still.iter().map(|m| (m, false))) {
+        claim(&format!("metric:{name}"), metric(a.metrics.as_ref(), name, moves));
+    }
+    out
+}
+
+/// A server ran requests together if one was under way while another was: a streamed
+/// request is under way from its first token to its last, any request at the moment it is
+/// answered. A server that takes requests one at a time has one under way at any moment,
+/// whatever order it takes them in.
+fn overlapped(timeline: &[Option<Sent>]) -> Found {
+    let wanted = "two requests under way at once".to_string();
+    let done: Vec<(usize, f64, f64)> = timeline
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| t.map(|t| (i, t.first_token.unwrap_or(t.answered), t.answered)))
+        .collect();
+    if done.len() < 2 || !done.iter().any(|(_, from, to)| to > from) {
+        return (wanted, "no streamed request and another were both answered".into(), Status::Unreported);
+    }
+    let both = done
+        .iter()
+        .flat_map(|a| done.iter().map(move |b| (a, b)))
+        .find(|(a, b)| a.0 != b.0 && a.2 > a.1 && b.1 > a.1 && b.1 < a.2);
+    match both {
+        Some((a, b)) => (
+            wanted,
+            format!(
+                "request {} was under way at {:.2}s, while request {} streamed ({:.2}s to {:.2}s)",
+                b.0, b.1, a.0, a.1, a.2
+            ),
+            Status::Held,
+        ),
+        None => (
+            wanted,
+            format!(
+                "no two of the {} answered requests were under way at once: the server answered them one at a time",
+                done.len()
+            ),
+            Status::Missing,
+        ),
+    }
+}
+
+/// The measured request came (partly) from the server's prompt cache, by its own account.
+fn cached(a: &Answers) -> Found {
+    let wanted = "prompt tokens served from the server's prompt cache".to_string();
+    let Some(c) = a.requests.first().and_then(|r| r.result.as_ref().ok()) else {
+        return (wanted, "the request was not answered".into(), Status::Unreported);
+    };
+    let prompt = a.requests[0].request.ids.len();
+    match c.cached_tokens {
+        None => (
+            wanted,
+            "the server reports no cached tokens (usage.prompt_tokens_details, timings)".into(),
+            Status::Unreported,
+        ),
+        Some(0) => {
+            (wanted, format!("the server served none of the {prompt} prompt tokens from its cache"), Status::Missing)
+        }
+        Some(n) => (wanted, format!("{n} of {prompt} prompt tokens from the cache"), Status::Held),
+    }
+}
+
+/// A Prometheus counter that must move (or stay) during the case.
+fn metric(m: Option<&Result<(Metrics, Metrics), String>>, name: &str, moves: bool) -> Found {
+    let wanted = if moves { format!("`{name}` increases") } else { format!("`{name}` does not change") };
+    let (before, after) = match m {
+        None => return (wanted, "no counters were read".into(), Status::Unreported),
+        Some(Err(e)) => return (wanted, format!("the counters could not be read: {e}"), Status::Missing),
+        Some(Ok(pair)) => pair,
+    };
+    let (Some(&a), Some(&b)) = (before.get(name), after.get(name)) else {
+        return (wanted, format!("the metrics endpoint has no `{name}`"), Status::Missing);
+    };
+    let seen = format!("{a} -> {b}");
+    let held = if moves { b > a } else { b == a };
+    (wanted, seen, if held { Status::Held } else { Status::Missing })
+}
+
 /// A claim with the suite's witness rules applied: waived, or required evidence that is not
 /// reported counted as missing.
 pub(super) fn judged(mut e: Evidence, w: &Witness, counted: bool) -> Evidence {
-    if let Some(why) = w.waive.get(&e.claim) {
+    let key = if e.claim.starts_with("metric:") { "metrics" } else { e.claim.as_str() };
+    if let Some(why) = w.waive.get(key) {
         e.seen = format!("waived by the suite: {why} (seen: {})", e.seen);
         e.status = Status::Waived;
         return e;
@@ -98,6 +194,8 @@ pub(super) fn judged(mut e: Evidence, w: &Witness, counted: bool) -> Evidence {
             required("stats")
         } else if e.claim == "cached" {
             required("cached-tokens")
+        } else if e.claim == "overlapped" || key == "metrics" {
+            false
         } else {
             required("counters") && !counted
         };

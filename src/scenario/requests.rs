@@ -17,7 +17,8 @@
 use std::collections::HashMap;
 
 use super::{CaseOutput, Outcome};
-use crate::engine::openai::{Completion, CompletionRequest, RequestError, RequestPath, When};
+pub use crate::engine::openai::Sent;
+use crate::engine::openai::{Completion, CompletionRequest, Metrics, Reply, RequestError, RequestPath, When};
 use crate::vocab::{Prompt, PromptCut, RequestPrompt, RequestScript, RequestWhen, Scenario, Settings};
 
 /// One report row: the requests it judges (the worst speaks for it).
@@ -93,7 +94,10 @@ fn batch2(prompts: &[Prompt], n: usize) -> Vec<Schedule> {
 }
 
 /// One schedule for all requests. The clock is request 0 itself when streamed answers carry
-/// logprobs; otherwise an unmeasured copy of request 0 sent with it, streamed.
+/// logprobs; otherwise an unmeasured copy of request 0 sent with it, streamed. Where streams
+/// carry logprobs every request streams, so each is visibly under way from its first token to
+/// its last; where not, the pacer streams twice as long as any request, so a server that runs
+/// them together answers every one while it still streams (the evidence that it does).
 fn concurrent(prompts: &[Prompt], inp: &Inputs) -> Option<Schedule> {
     let c = &inp.settings.concurrent;
     let n = inp.settings.max_tokens;
@@ -103,7 +107,7 @@ fn concurrent(prompts: &[Prompt], inp: &Inputs) -> Option<Schedule> {
     // The clock is request 0 of the schedule either way.
     let (mut requests, clock) = (Vec::new(), 0);
     if !inp.stream_logprobs {
-        requests.push(CompletionRequest { stream: true, ..now(&prompts[0].ids, n) });
+        requests.push(CompletionRequest { stream: true, ..now(&prompts[0].ids, 2 * n) });
     }
     let offset = requests.len();
     let mut rows = Vec::new();
@@ -111,7 +115,7 @@ fn concurrent(prompts: &[Prompt], inp: &Inputs) -> Option<Schedule> {
     for (j, a) in c.schedule(n).into_iter().enumerate() {
         let p = &prompts[j % prompts.len()];
         let when = if j == 0 || a.at == 0 { When::Now } else { When::AfterTokens { of: clock, tokens: a.at } };
-        let stream = inp.stream_logprobs && j == 0;
+        let stream = inp.stream_logprobs;
         requests.push(CompletionRequest { ids: p.ids.clone(), max_tokens: a.steps, when, stream });
         let mut r = row(p, &format!("req{j}"), vec![offset + j]);
         r.notes.push(format!("arrives after {} streamed tokens, {} steps", a.at, a.steps));
@@ -190,7 +194,7 @@ pub fn answer_alone(path: &mut dyn RequestPath, prompts: &[Vec<u32>], max_tokens
             continue;
         }
         let alone = CompletionRequest { ids: ids.clone(), max_tokens, when: When::Now, stream: false };
-        let answer = path.send(&[alone]).remove(0).map_err(|e| match path.ended_after_failure() {
+        let answer = path.send(&[alone]).remove(0).result.map_err(|e| match path.ended_after_failure() {
             Some(how) => format!("{e}; the reference server {how}"),
             None => e.to_string(),
         });
@@ -207,6 +211,30 @@ pub struct Answers {
     pub sent: usize,
     /// How the server ended, when it died during the schedule.
     pub server_ended: Option<String>,
+    /// When each request of the schedule (measured or not) was sent and answered, in seconds
+    /// since the schedule began; `None` for one that failed.
+    pub timeline: Vec<Option<Sent>>,
+    /// The server's counters before and after the schedule (where the suite names an
+    /// endpoint), or why they could not be read.
+    pub metrics: Option<Result<(Metrics, Metrics), String>>,
+}
+
+/// Each request's [`Sent`] where it was answered at all (a request that failed before the
+/// server took it says nothing about overlap).
+fn timeline(answers: &[Reply]) -> Vec<Option<Sent>> {
+    answers
+        .iter()
+        .map(|a| match &a.result {
+            Err(RequestError::Status { .. } | RequestError::Transport(_)) => None,
+            _ => Some(a.sent),
+        })
+        .collect()
+}
+
+impl Answers {
+    pub fn unsent(sent: usize) -> Self {
+        Answers { requests: Vec::new(), sent, server_ended: None, timeline: Vec::new(), metrics: None }
+    }
 }
 
 /// One measured request, what came back, and the reference it is compared with (`None`: no
@@ -235,8 +263,17 @@ pub fn run(schedules: &[Schedule], path: &mut dyn RequestPath, references: &Refe
             );
             continue;
         }
+        let before = path.metrics();
         let answers = path.send(&s.requests);
+        let timeline = timeline(&answers);
+        let answers: Vec<_> = answers.into_iter().map(|a| a.result).collect();
         let ended = if answers.iter().any(|a| a.is_err()) { path.ended_after_failure() } else { None };
+        let metrics = match (before, if ended.is_none() { path.metrics() } else { None }) {
+            (Some(Ok(a)), Some(Ok(b))) => Some(Ok((a, b))),
+            (Some(Err(e)), _) | (_, Some(Err(e))) => Some(Err(e)),
+            (Some(_), None) => Some(Err("the server ended before its counters could be read again".into())),
+            (None, _) => None,
+        };
         for r in &s.rows {
             let requests = r
                 .measured
@@ -248,7 +285,13 @@ pub fn run(schedules: &[Schedule], path: &mut dyn RequestPath, references: &Refe
                     reference: references.get(&s.requests[m].ids).cloned(),
                 })
                 .collect();
-            let measured = Answers { requests, sent: s.requests.len(), server_ended: ended.clone() };
+            let measured = Answers {
+                requests,
+                sent: s.requests.len(),
+                server_ended: ended.clone(),
+                timeline: timeline.clone(),
+                metrics: metrics.clone(),
+            };
             out.push(CaseOutput {
                 notes: r.notes.clone(),
                 ..CaseOutput::new(&r.case, &prompt(s, r), measured, Outcome::Ran)
@@ -265,7 +308,7 @@ pub fn not_run(schedules: &[Schedule], why: &str) -> Vec<CaseOutput<Answers>> {
 }
 
 fn unsent(s: &Schedule, r: &RowPlan, why: String) -> CaseOutput<Answers> {
-    let measured = Answers { requests: Vec::new(), sent: s.requests.len(), server_ended: None };
+    let measured = Answers::unsent(s.requests.len());
     CaseOutput { notes: r.notes.clone(), ..CaseOutput::new(&r.case, &prompt(s, r), measured, Outcome::NotRun(why)) }
 }
 
@@ -358,10 +401,11 @@ pub fn run_script(
     let passed_over = index.iter().filter(|i| i.is_none()).count();
     if requests.is_empty() {
         let why = "no request of the script could be sent".to_string();
-        let measured = Answers { requests: Vec::new(), sent: 0, server_ended: None };
-        return CaseOutput::new(name, &row_prompt, measured, Outcome::Failed(why));
+        return CaseOutput::new(name, &row_prompt, Answers::unsent(0), Outcome::Failed(why));
     }
     let answers = path.send(&requests);
+    let timeline = timeline(&answers);
+    let answers: Vec<_> = answers.into_iter().map(|a| a.result).collect();
     let ended = if answers.iter().any(|a| a.is_err()) { path.ended_after_failure() } else { None };
     let measured: Vec<Answer> = index
         .iter()
@@ -376,7 +420,7 @@ pub fn run_script(
     let mut c = CaseOutput::new(
         name,
         &row_prompt,
-        Answers { requests: measured, sent: requests.len(), server_ended: ended },
+        Answers { requests: measured, sent: requests.len(), server_ended: ended, timeline, metrics: None },
         Outcome::Ran,
     );
     if passed_over > 0 {

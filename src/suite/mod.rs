@@ -66,6 +66,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
         Some(e) => cx.engine(e)?,
         None => EngineSpec::Builtin,
     };
+    let suite_witness = cx.witness(raw.engine.as_ref(), &suite_engine)?;
     let mut suite_settings = Settings::default();
     let mut suite_spans = SettingSpans::new();
     if let Some(p) = &raw.settings {
@@ -174,7 +175,11 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             Some(e) => cx.engine(e)?,
             None => suite_engine.clone(),
         };
-        let witness = cx.witness(c.engine.as_ref().or(raw.engine.as_ref()), &engine)?;
+        // The suite's `[engine.witness]` holds for every checkpoint's paths of the same name
+        // (a checkpoint's own engine table may add to it or override a path).
+        let mut witness = suite_witness.clone();
+        witness.retain(|path, _| engine.known_paths().contains(path));
+        witness.extend(cx.witness(c.engine.as_ref(), &engine)?);
         let paths = match c.backends.as_ref().or(raw.backends.as_ref()) {
             Some(b) => cx.paths(b, &engine)?,
             None => engine.path_names(),

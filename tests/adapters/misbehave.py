@@ -16,7 +16,19 @@ MODE (N counts `forward` requests, 1-based; default 3):
                   (the test that parity's children die with a parity killed by SIGKILL)
   fake-trim       claim every trim succeeded without passing it on; lengths in later
                   replies are rewritten to match the claim, so only the logits can tell
+
+Plants for the evidence checks (the tokens stay right; only the engine's own account of what
+it did can tell, which is what parity reads):
+  row-by-row      run a forward of B rows as B forwards of one row and join the logits, as an
+                  engine that claims batching but loops over rows does
+  refuse-share    answer every share_prefix with no sequence (parity must recompute)
+  recompute-share answer share_prefix "copy" but build the new sequence by running the
+                  donor's tokens through the model again
+  wide-kv         declare half the KV bytes per row the inner adapter stores (hello's
+                  kv_row_bytes): a layout stored at twice the bytes it promises
 """
+
+import base64
 
 import json
 import os
@@ -40,6 +52,16 @@ def main():
         print("misbehave: refusing to start (exit-at-start)", file=sys.stderr, flush=True)
         sys.exit(3)
     child = subprocess.Popen(inner, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    own_ids = iter(range(10**12, 2 * 10**12))
+
+    def ask(request):
+        """One request of the relay's own to the inner adapter; its reply."""
+        request = dict(request, id=next(own_ids))
+        child.stdin.write(json.dumps(request) + "\n")
+        child.stdin.flush()
+        return json.loads(child.stdout.readline())
+
+    fed = {}  # seq -> tokens the sequence holds (recompute-share)
     forwards = 0
     untrimmed = {}  # seq -> rows the real adapter still holds beyond what was claimed
     for line in sys.stdin:
@@ -49,6 +71,30 @@ def main():
         op = req.get("op")
         if op == "forward":
             forwards += 1
+        if mode == "row-by-row" and op == "forward" and len(req["rows"]) > 1:
+            parts = [ask({"op": "forward", "rows": [row]}) for row in req["rows"]]
+            bad = next((p for p in parts if not p.get("ok")), None)
+            if bad is not None:
+                reply(req["id"], {"ok": False, "error": bad.get("error", "?")})
+                continue
+            logits = b"".join(base64.b64decode(p["logits"]["b64"]) for p in parts)
+            vocab = parts[0]["logits"]["shape"][1]
+            reply(req["id"], {
+                "lengths": [p["lengths"][0] for p in parts],
+                "logits": {"dtype": "f32", "shape": [len(parts), vocab], "b64": base64.b64encode(logits).decode()},
+            })
+            continue
+        if mode == "refuse-share" and op == "share_prefix":
+            reply(req["id"], {"seq": None})
+            continue
+        if mode == "recompute-share" and op == "share_prefix":
+            tokens = fed.get(req["donor"], [])[: req["rows"]]
+            made = ask({"op": "create", "masked_prefix": 0})
+            if tokens:
+                ask({"op": "forward", "rows": [{"seq": made["seq"], "tokens": tokens, "logits_at": len(tokens) - 1}]})
+            fed[made["seq"]] = list(tokens)
+            reply(req["id"], {"seq": made["seq"], "mode": "copy"})
+            continue
         if mode == "fake-trim" and op == "trim":
             seq, k = req["seq"], req["n"]
             untrimmed[seq] = untrimmed.get(seq, 0) + k
@@ -78,6 +124,22 @@ def main():
                 msg["logits"]["shape"][1] -= 1
                 print(json.dumps(msg), flush=True)
                 continue
+        if mode == "recompute-share":
+            msg = json.loads(answer)
+            if op == "reset":
+                fed.clear()  # a fresh store numbers its sequences from 0 again
+            if op == "forward" and msg.get("ok"):
+                for row in req["rows"]:
+                    fed.setdefault(row["seq"], []).extend(row["tokens"])
+            if op == "trim" and msg.get("ok"):
+                held = fed.get(req["seq"], [])
+                fed[req["seq"]] = held[: len(held) - msg["removed"]]
+        if mode == "wide-kv" and op == "hello":
+            msg = json.loads(answer)
+            caps = msg.get("capabilities", {})
+            if caps.get("kv_row_bytes"):
+                caps["kv_row_bytes"] //= 2
+            answer = json.dumps(msg) + "\n"
         if mode == "fake-trim":
             msg = json.loads(answer)
             if op == "create" and msg.get("ok"):
@@ -97,7 +159,7 @@ def main():
 
 
 def reply(rid, fields):
-    fields.update({"id": rid, "ok": True})
+    fields = {"ok": True, **fields, "id": rid}
     print(json.dumps(fields), flush=True)
 
 

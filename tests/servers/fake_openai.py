@@ -11,6 +11,11 @@ first entry presented as the chosen token), and misbehaves on request:
          | batch-flip (pick the runner-up at step 1 whenever two requests are in flight)
          | covered-crash (drop the connection, unanswered, when the prompt cache holds the whole
            prompt: mlx_lm.server 0.32.2's bug)
+         | serialize (answer one request at a time, in arrival order: "concurrent" requests
+           served one after the other)
+         | cache-never-hits (report 0 cached prompt tokens always: a prompt cache that misses)
+  GET /metrics  Prometheus text: fake_requests_total and fake_tokens_generated_total count,
+                fake_paged_launches_total never moves (a kernel this server never takes)
   --stream-logprobs     streamed chunks carry logprobs (llama-server style)
   --count-off N         report usage.prompt_tokens off by N (a tokenizer that disagrees)
   --token-delay S       seconds per generated token (lets concurrent requests overlap)
@@ -44,7 +49,9 @@ if args.mode == "exit-at-start":
 VOCAB = 256
 PRINTABLE = range(32, 127)
 lock = threading.Lock()
-state = {"requests": 0, "in_flight": 0}
+turns = threading.Condition()  # --mode serialize: one generation at a time, in arrival order
+queue = {"next": 0, "serving": 0}
+state = {"requests": 0, "in_flight": 0, "generated": 0}
 history_cache = []  # every prompt + output served, for cached_tokens
 
 
@@ -60,7 +67,10 @@ def logprobs(history):
     return [x - lse for x in logits]
 
 
-def generate(ids, max_tokens, k):
+def generate(ids, max_tokens, k, ticket=None):
+    if ticket is not None:
+        with turns:
+            turns.wait_for(lambda: queue["serving"] == ticket)
     with lock:
         state["in_flight"] += 1
     try:
@@ -82,13 +92,21 @@ def generate(ids, max_tokens, k):
             steps.append((chosen, top))
             history.append(chosen)
             time.sleep(args.token_delay)
+            with lock:
+                state["generated"] += 1
             yield chosen, top
     finally:
         with lock:
             state["in_flight"] -= 1
+        if ticket is not None:
+            with turns:
+                queue["serving"] += 1
+                turns.notify_all()
 
 
 def cached(ids):
+    if args.mode == "cache-never-hits":
+        return 0
     best = 0
     with lock:
         for h in history_cache:
@@ -118,6 +136,15 @@ class Handler(BaseHTTPRequestHandler):
             if args.mode == "never-ready":
                 return self.send(503, json.dumps({"status": "loading"}))
             return self.send(200, json.dumps({"status": "ok"}))
+        if self.path == "/metrics":
+            with lock:
+                text = (
+                    "# TYPE fake_requests_total counter\n"
+                    f"fake_requests_total {state['requests']}\n"
+                    f'fake_tokens_generated_total{{slot="0"}} {state["generated"]}\n'
+                    "fake_paged_launches_total 0\n"
+                )
+            return self.send(200, text, "text/plain; version=0.0.4")
         self.send(404, "not found", "text/plain")
 
     def do_POST(self):
@@ -135,6 +162,11 @@ class Handler(BaseHTTPRequestHandler):
         prompt = body["prompt"]
         ids = prompt if isinstance(prompt, list) else list(prompt.encode("utf-8"))
         k = int(body.get("top_logprobs", 5))
+        ticket = None
+        if args.mode == "serialize":
+            with turns:
+                ticket = queue["next"]
+                queue["next"] += 1
         if args.mode == "covered-crash" and cached(ids) >= len(ids):
             print("fake_openai: ValueError: the cache holds the whole prompt", file=sys.stderr, flush=True)
             self.close_connection = True
@@ -148,7 +180,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(b": keepalive 1/1\n\n")
-            for tok, top in generate(ids, body["max_tokens"], k):
+            for tok, top in generate(ids, body["max_tokens"], k, ticket):
                 out.append(tok)
                 choice = {"index": 0, "text": chr(tok), "finish_reason": None}
                 if args.stream_logprobs and args.mode != "no-logprobs":
@@ -162,7 +194,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         else:
             content = []
-            for tok, top in generate(ids, body["max_tokens"], k):
+            for tok, top in generate(ids, body["max_tokens"], k, ticket):
                 out.append(tok)
                 content.append(dict(top[0], top_logprobs=top))
             usage["completion_tokens"] = len(out)

@@ -149,6 +149,42 @@ impl Client<'_> {
     }
 }
 
+impl Client<'_> {
+    /// GET the server's Prometheus text at `at` and read its samples.
+    pub fn metrics(&self, at: &str) -> Result<super::Metrics, String> {
+        let url = format!("{}{at}", self.base);
+        let mut resp = self.agent.get(&url).call().map_err(|e| format!("GET {at}: {e}"))?;
+        let text = resp
+            .body_mut()
+            .with_config()
+            .limit(16 << 20)
+            .read_to_string()
+            .map_err(|e| format!("GET {at}: reading the response: {e}"))?;
+        Ok(prometheus(&text))
+    }
+}
+
+/// Prometheus text exposition: `name{labels} value [timestamp]` per line, `#` lines comments.
+/// Samples of one name are summed over their label sets; lines that do not parse are passed
+/// over (a counter a path must move is then absent, which the judge says).
+fn prometheus(text: &str) -> super::Metrics {
+    let mut out = super::Metrics::new();
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let (name, rest) = match line.find(['{', ' ']) {
+            Some(i) if line.as_bytes()[i] == b'{' => match line[i..].find('}') {
+                Some(j) => (&line[..i], &line[i + j + 1..]),
+                None => continue,
+            },
+            Some(i) => (&line[..i], &line[i..]),
+            None => continue,
+        };
+        if let Some(v) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) {
+            *out.entry(name.to_string()).or_insert(0.0) += v;
+        }
+    }
+    out
+}
+
 /// One step as the server returned it: its top-k `(token, logprob)` sorted most probable
 /// first, and the token the API presented as chosen (if it could be read).
 type Entry = (Vec<(u32, f64)>, Option<u32>);
@@ -181,6 +217,13 @@ impl Accum {
             self.prompt_tokens = u.get("prompt_tokens").and_then(Value::as_u64).map(|n| n as usize);
             self.cached_tokens =
                 u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).map(|n| n as usize);
+        }
+        // llama.cpp's own account, where a build reports no usage details: prompt tokens
+        // taken from the slot's cache.
+        if self.cached_tokens.is_none()
+            && let Some(n) = v.pointer("/timings/cache_n").and_then(Value::as_u64)
+        {
+            self.cached_tokens = Some(n as usize);
         }
         let choices = v
             .get("choices")
@@ -242,8 +285,7 @@ impl Accum {
             cached_tokens: self.cached_tokens,
             finish_reason: self.finish_reason,
             fingerprint: self.fingerprint,
-            seconds: 0.0,
-            parity_seconds: 0.0,
+            ..Completion::default()
         })
     }
 }
@@ -268,4 +310,27 @@ pub fn excerpt(s: &str) -> String {
         cut -= 1;
     }
     format!("{} [... {} bytes]", &s[..cut], s.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prometheus;
+
+    /// Counters a suite names are summed over label sets; comments, timestamps and lines that
+    /// do not parse do not disturb the others.
+    #[test]
+    fn prometheus_samples_are_summed_by_name() {
+        let text = "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n\
+                    # TYPE llamacpp:prompt_tokens_total counter\n\
+                    llamacpp:prompt_tokens_total 1234\n\
+                    launches_total{kernel=\"paged\",gpu=\"0\"} 7 1700000000\n\
+                    launches_total{kernel=\"dense\"} 3\n\
+                    broken{unclosed 5\n\
+                    nan_gauge NaN\n";
+        let m = prometheus(text);
+        assert_eq!(m.get("llamacpp:prompt_tokens_total"), Some(&1234.0));
+        assert_eq!(m.get("launches_total"), Some(&10.0));
+        assert!(!m.contains_key("broken"));
+        assert!(m["nan_gauge"].is_nan());
+    }
 }

@@ -3,9 +3,10 @@
 //! counts as ended, so nothing waits forever on it.
 
 use std::sync::{Condvar, Mutex};
+use std::time::Instant;
 
-use super::client::{Client, Completion, RequestError};
-use super::{CompletionRequest, When};
+use super::client::{Client, RequestError};
+use super::{CompletionRequest, Reply, Sent, When};
 
 #[derive(Default, Clone, Copy)]
 struct Progress {
@@ -39,8 +40,9 @@ impl Board {
 }
 
 /// Send every request of a schedule as it says; answers in request order.
-pub(super) fn run(client: &Client, requests: &[CompletionRequest]) -> Vec<Result<Completion, RequestError>> {
+pub(super) fn run(client: &Client, requests: &[CompletionRequest]) -> Vec<Reply> {
     let board = Board { state: Mutex::new(vec![Progress::default(); requests.len()]), changed: Condvar::new() };
+    let start = Instant::now();
     std::thread::scope(|scope| {
         let handles: Vec<_> = requests
             .iter()
@@ -49,16 +51,28 @@ pub(super) fn run(client: &Client, requests: &[CompletionRequest]) -> Vec<Result
                 let board = &board;
                 scope.spawn(move || {
                     board.wait(r.when);
-                    let mut on_token = |n: usize| board.update(i, |p| p.tokens = n);
-                    let out = client.complete(&r.ids, r.max_tokens, r.stream, &mut on_token);
+                    let mut first_token = None;
+                    let mut on_token = |n: usize| {
+                        first_token.get_or_insert_with(|| start.elapsed().as_secs_f64());
+                        board.update(i, |p| p.tokens = n)
+                    };
+                    let at = start.elapsed().as_secs_f64();
+                    let result = client.complete(&r.ids, r.max_tokens, r.stream, &mut on_token);
+                    let answered = start.elapsed().as_secs_f64();
                     board.update(i, |p| p.done = true);
-                    out
+                    let first_token = first_token.filter(|_| r.stream);
+                    Reply { result, sent: Sent { at, first_token, answered } }
                 })
             })
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(RequestError::Transport("the request thread panicked".into()))))
+            .map(|h| {
+                h.join().unwrap_or_else(|_| Reply {
+                    result: Err(RequestError::Transport("the request thread panicked".into())),
+                    sent: Sent::default(),
+                })
+            })
             .collect()
     })
 }

@@ -50,16 +50,44 @@ pub struct CompletionRequest {
     pub stream: bool,
 }
 
+/// When one request of a schedule was sent, streamed its first token (streamed requests: it
+/// is visibly under way from then to its last) and was answered, in seconds since the
+/// schedule began: parity's own evidence of whether a server ran requests together. Kept
+/// whether or not the answer could be read: the pacer of a schedule whose streams carry no
+/// logprobs is never measured, but its stream is what the others overlap with.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Sent {
+    pub at: f64,
+    pub first_token: Option<f64>,
+    pub answered: f64,
+}
+
+/// One request's answer (or why it could not be read) and its [`Sent`].
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub result: Result<Completion, RequestError>,
+    pub sent: Sent,
+}
+
 /// A path of a request-level engine: a server that answers whole completion requests.
 pub trait RequestPath {
     /// Send every request of a schedule as its `when` says; the answers in request order. A
     /// request that fails still counts as ended, so nothing waits forever on it.
-    fn send(&mut self, requests: &[CompletionRequest]) -> Vec<Result<Completion, RequestError>>;
+    fn send(&mut self, requests: &[CompletionRequest]) -> Vec<Reply>;
 
     /// After a failed request: how the server ended (its exit and log tail), if it did,
     /// giving a dying server a moment to be seen dead. `None` while it runs.
     fn ended_after_failure(&mut self) -> Option<String>;
+
+    /// The server's Prometheus counters now, each summed over its label sets; `None` when the
+    /// suite names no metrics endpoint.
+    fn metrics(&mut self) -> Option<Result<Metrics, String>> {
+        None
+    }
 }
+
+/// Prometheus samples by metric name, each summed over its label sets.
+pub type Metrics = std::collections::BTreeMap<String, f64>;
 
 /// One path of an openai engine: its server, started (or reached at the suite's `url`) and
 /// ready, and what every request to it carries.
@@ -97,11 +125,16 @@ impl<'a> ServerPath<'a> {
 }
 
 impl RequestPath for ServerPath<'_> {
-    fn send(&mut self, requests: &[CompletionRequest]) -> Vec<Result<Completion, RequestError>> {
+    fn send(&mut self, requests: &[CompletionRequest]) -> Vec<Reply> {
         exec::run(&self.client, requests)
     }
 
     fn ended_after_failure(&mut self) -> Option<String> {
         self.server.ended_after_failure()
+    }
+
+    fn metrics(&mut self) -> Option<Result<Metrics, String>> {
+        let at = self.client.spec.metrics.as_deref()?;
+        Some(self.client.metrics(at))
     }
 }
