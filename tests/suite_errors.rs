@@ -338,3 +338,52 @@ fn the_script_scenario_without_scripts_tests_nothing() {
     let text = GOOD.replace("name = \"t\"", "name = \"t\"\nscenarios = [\"single\", \"script\"]");
     assert_at(&text, 3, "scenario `script` runs the suite's [[scripts]], and it has none");
 }
+
+// ---- evidence ([engine.witness.PATH], tolerance.vacuous) --------------------------------------
+
+/// A witness names a path, claims and requirements parity knows, says why it waives, and
+/// reads counters only from a server with a metrics endpoint: each mistake at its place.
+#[test]
+fn witness_mistakes_are_located() {
+    let witness = |table: &str| with(&format!("[engine]\nkind = \"builtin\"\n{table}"));
+    let at = GOOD.lines().position(|l| l == "[[checkpoints]]").unwrap() + 3;
+    let s = parity::parse_suite(
+        Path::new("suites/x.toml"),
+        &witness("[engine.witness.paged]\nwaive = { non-adjacent = \"the pool hands out any free block\" }\nrequire = [\"counters\"]"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let w = &s.checkpoints[0].witness["paged"];
+    assert_eq!(w.waive["non-adjacent"], "the pool hands out any free block");
+    assert_eq!(w.require, vec!["counters".to_string()]);
+    assert_at(
+        &witness("[engine.witness.pagd]\nrequire = [\"counters\"]"),
+        at,
+        "engine.witness.pagd: not a path of this engine",
+    );
+    assert_at(&witness("[engine.witness.paged]\nwaive = { batchd = \"x\" }"), at + 1, "unknown claim `batchd`");
+    assert_at(
+        &witness("[engine.witness.paged]\nwaive = { batched = \"\" }"),
+        at + 1,
+        "say why the path does not show it",
+    );
+    assert_at(&witness("[engine.witness.paged]\nrequire = [\"count\"]"), at + 1, "unknown evidence `count`");
+    assert_at(&witness("[engine.witness.paged]\nmoves = [\"x_total\"]"), at + 1, "set engine.metrics");
+}
+
+#[test]
+fn tolerance_vacuous_lets_vacuous_rows_pass() {
+    use parity::vocab::Verdict;
+    let allowed = |tolerance: &str| {
+        let s = parity::parse_suite(Path::new("suites/x.toml"), &with(&format!("[tolerance]\n{tolerance}")))
+            .unwrap_or_else(|e| panic!("{e}"));
+        s.checkpoints[0].tolerance.allow.clone()
+    };
+    assert!(!allowed("strict = false").contains(&Verdict::Vacuous));
+    assert!(allowed("vacuous = true").contains(&Verdict::Vacuous));
+    assert_eq!(allowed("vacuous = true\nstrict = true"), vec![Verdict::Identical, Verdict::Vacuous]);
+    assert_at(
+        &with("[tolerance]\nvacuous = 1"),
+        GOOD.lines().position(|l| l == "[[checkpoints]]").unwrap() + 2,
+        "invalid type",
+    );
+}

@@ -241,19 +241,20 @@ impl Ctx<'_> {
             }
             let w = w.get_ref();
             let mut spec = Witness::default();
-            for (claim, why) in w.waive.iter().flatten() {
+            for (claim, why) in w.waive.iter().flat_map(|t| t.get_ref()) {
                 if !CLAIMS.contains(&claim.as_str()) {
                     return Err(self.err(
-                        at,
+                        w.waive.as_ref().map_or(at.clone(), |t| t.span()),
                         format!("engine.witness.{path}.waive: unknown claim `{claim}` ({})", CLAIMS.join(", ")),
                     ));
                 }
-                if why.trim().is_empty() {
-                    return Err(
-                        self.err(at, format!("engine.witness.{path}.waive.{claim}: say why the path does not show it"))
-                    );
+                if why.get_ref().trim().is_empty() {
+                    return Err(self.err(
+                        why.span(),
+                        format!("engine.witness.{path}.waive.{claim}: say why the path does not show it"),
+                    ));
                 }
-                spec.waive.insert(claim.clone(), why.clone());
+                spec.waive.insert(claim.clone(), why.get_ref().clone());
             }
             for r in w.require.iter().flatten() {
                 if !REQUIREMENTS.contains(&r.get_ref().as_str()) {

@@ -91,7 +91,7 @@ pub(super) struct RawEngine {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawWitness {
-    pub(super) waive: Option<std::collections::BTreeMap<String, String>>,
+    pub(super) waive: Option<Spanned<std::collections::BTreeMap<String, Spanned<String>>>>,
     pub(super) require: Option<Vec<Spanned<String>>>,
     pub(super) moves: Option<Vec<Spanned<String>>>,
     pub(super) still: Option<Vec<Spanned<String>>>,
