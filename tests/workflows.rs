@@ -84,6 +84,7 @@ fn a_selection_of_nothing_is_an_error_and_never_good_under_bisect() {
     let o = parity(&["run", "suites/fixtures.toml", "--no-snapshots", "--filter", "llama-tiny/no-such-prompt"]);
     assert_eq!(code(&o), 2, "{}", text(&o));
     assert!(text(&o).contains("selects no row") && text(&o).contains("prompts: block-1"), "{}", text(&o));
+    assert!(text(&o).contains("PROMPT/sharedN"), "derived prompt names are named too: {}", text(&o));
     let o = parity(&["run", "suites/fixtures.toml", "--bisect", "--no-snapshots", "--filter", "nope"]);
     assert_eq!(code(&o), 125, "{}", text(&o));
     let o = parity(&["run", "suites/fixtures.toml", "--bisect", "--scenario", "prefix", "--filter", "llama-tiny-8bit"]);
@@ -96,6 +97,14 @@ fn a_selection_of_nothing_is_an_error_and_never_good_under_bisect() {
     assert!(text(&o).contains("--backend sparse:"), "a comma separates path names, as on bench: {}", text(&o));
     let o = parity(&["selftest", "suites/fixtures.toml", "--filter", "nope"]);
     assert_eq!(code(&o), 2, "a selftest that ran nothing caught nothing: {}", text(&o));
+    // Guards "a selection of skipped rows reads as good": a row this prompt cannot make
+    // (32 tokens fill whole tiles: no pad row to trim) tested nothing.
+    let skipped = ["run", "suites/fixtures.toml", "--no-snapshots", "--filter", "llama-tiny/exact32/padded:tile/"];
+    let o = parity(&skipped);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("every one skipped: nothing was tested (no pad rows"), "{}", text(&o));
+    let o = parity(&[&skipped[..], &["--bisect"]].concat());
+    assert_eq!(code(&o), 125, "{}", text(&o));
 }
 
 /// The README's bisect recipe, as written there, judges a clean commit good and a RoPE

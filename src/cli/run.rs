@@ -393,6 +393,10 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     eprintln!("report rendered in {:.2}s", rendering.elapsed().as_secs_f64());
 
+    if let Some(why) = crate::run::nothing_tested(&suite, &opts, &report.rows) {
+        eprintln!("error: {why}");
+        return Ok(ExitCode::from(nothing));
+    }
     let code = if a.bisect {
         if report.unjudgeable() {
             EXIT_SKIP

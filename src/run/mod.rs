@@ -27,7 +27,7 @@ mod steps;
 mod witness;
 
 use select::Filter;
-pub use select::{check_selection, nothing_selected};
+pub use select::{check_selection, nothing_selected, nothing_tested};
 
 #[derive(Debug, Clone, Default)]
 pub struct RunOptions {

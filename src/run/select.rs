@@ -121,6 +121,29 @@ pub fn check_selection(suite: &Suite, opts: &RunOptions) -> std::result::Result<
     Ok(())
 }
 
+/// Whether the options name a selection (`--filter`, `--scenario`, `--backend`, `--checkpoint`).
+pub fn selects_part(opts: &RunOptions) -> bool {
+    opts.filter.is_some() || opts.scenarios.is_some() || opts.paths.is_some() || opts.checkpoints.is_some()
+}
+
+/// A selection whose every row was skipped tested nothing: like one that matches no row, it
+/// must never read as good (a bisect step on a commit whose checkpoint is absent, or a row id
+/// whose case this prompt cannot make). `None` when some selected row was judged.
+pub fn nothing_tested(suite: &Suite, opts: &RunOptions, rows: &[Row]) -> Option<String> {
+    if !selects_part(opts) || rows.is_empty() || rows.iter().any(|r| r.verdict != Verdict::Skipped) {
+        return None;
+    }
+    // A skip's reason is its row's last note (after what the case did, where it did anything).
+    let why = rows.iter().find_map(|r| r.notes.last()).map(|n| n.lines().next().unwrap_or_default().to_string());
+    Some(format!(
+        "the selection of {} in suite {} is {}, every one skipped: nothing was tested{}",
+        opts.filter.as_deref().map_or_else(|| "its options".to_string(), |f| format!("--filter {f}")),
+        suite.file.display(),
+        crate::report::describe::plural(rows.len(), "row"),
+        why.map(|w| format!(" ({w})")).unwrap_or_default(),
+    ))
+}
+
 /// Why a run produced no row, with what the suite has, so the next try can hit.
 pub fn nothing_selected(suite: &Suite, opts: &RunOptions) -> String {
     let mut asked = Vec::new();
@@ -147,7 +170,8 @@ pub fn nothing_selected(suite: &Suite, opts: &RunOptions) -> String {
     let list = |v: Vec<&str>| v.join(", ");
     format!(
         "{} selects no row of suite {}. Row ids are checkpoint/prompt/scenario:case/path{}, as every report prints them; \
-         checkpoints: {}; prompts: {}",
+         checkpoints: {}; prompts: {} (the prefix scenario's second request of PROMPT is PROMPT/sharedN, N the rows it \
+         shares)",
         if asked.is_empty() { "the suite".to_string() } else { asked.join(" ") },
         suite.file.display(),
         example.map(|e| format!(" (e.g. {e})")).unwrap_or_default(),
