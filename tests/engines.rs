@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use parity::faults;
-use parity::report::Report;
+use parity::report::{Report, Row};
 use parity::selftest;
 use parity::vocab::Verdict;
 use parity::{NoProgress, RunOptions, run_suite};
@@ -271,5 +271,32 @@ fn kv_stored_at_twice_the_declared_bytes_fails_every_row() {
         assert!(!r.pass, "{}", r.id());
         let f = r.failure.as_deref().unwrap_or_default();
         assert!(f.contains("memory: row-bytes") && f.contains("2.00x what it declares"), "{f}");
+    }
+}
+
+/// `[engine] model` names the engine's own model file (a GGUF beside the checkpoint whose
+/// tokenizer parity uses): `{model}` is that file, `{checkpoint}` the checkpoint. Here the
+/// adapter is handed `{checkpoint}` on one path and a `model` that does not exist on the
+/// other, whose start then fails naming it.
+#[test]
+fn a_process_engine_model_file_is_what_model_means() {
+    let tag = format!("parity-test-model-file-{}", std::process::id());
+    let engine = format!(
+        "[engine]\nkind = \"process\"\ncommand = [{PARITY:?}, \"adapter\"]\nmodel = \"no-such-model.gguf\"\nreference = \"dense\"\n\
+         [engine.paths]\ndense = [\"{{checkpoint}}\", \"--path\", \"dense\"]\npaged = [\"{{model}}\", \"--path\", \"paged\"]\n"
+    );
+    let file = fixture_suite(&tag, &engine);
+    let opts = RunOptions {
+        filter: Some("llama-tiny/".into()),
+        scenarios: Some(vec![parity::vocab::Scenario::Single]),
+        ..RunOptions::default()
+    };
+    let report = run(&file, &opts);
+    let (dense, paged): (Vec<&Row>, Vec<&Row>) = report.rows.iter().partition(|r| r.path == "dense");
+    assert!(!dense.is_empty() && dense.iter().all(|r| r.pass), "{dense:#?}");
+    assert!(!paged.is_empty(), "{report:#?}");
+    for r in paged {
+        let f = r.failure.as_deref().unwrap_or_default();
+        assert!(!r.pass && f.contains("no-such-model.gguf"), "{}: {f}", r.id());
     }
 }

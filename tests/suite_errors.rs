@@ -387,3 +387,20 @@ fn tolerance_vacuous_lets_vacuous_rows_pass() {
         "invalid type",
     );
 }
+
+/// `engine.model` is the engine's own model file for engines that load one (process,
+/// openai); the builtin runs the checkpoint itself, so there it is a mistake at its place.
+#[test]
+fn an_engine_model_file_is_for_engines_that_load_one() {
+    let at = GOOD.lines().position(|l| l == "[[checkpoints]]").unwrap() + 3;
+    let s = parity::parse_suite(
+        Path::new("suites/x.toml"),
+        &with("[engine]\nkind = \"process\"\ncommand = [\"adapter\", \"{model}\"]\nmodel = \"${NO_SUCH_VAR:-m.gguf}\"\n[engine.paths]\na = []"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    match &s.checkpoints[0].engine {
+        parity::vocab::EngineSpec::Process(p) => assert_eq!(p.model.as_deref(), Some("m.gguf")),
+        other => panic!("{other:?}"),
+    }
+    assert_at(&with("[engine]\nkind = \"builtin\"\nmodel = \"m.gguf\""), at, "the builtin runs the checkpoint itself");
+}

@@ -171,10 +171,17 @@ pub struct ProcessPath {
 
 impl ProcessPath {
     /// Start the adapter for `path` and shake hands. The command's placeholders: `{model}`
-    /// (the resolved checkpoint), `{path}`, `{suite_dir}`, `{dtype}` (the suite's setting:
-    /// `float32`, `bfloat16`, `float16` or `native`) and `{parity}` (this executable).
+    /// (the engine's model file where the suite names one, else the checkpoint),
+    /// `{checkpoint}` (the resolved checkpoint directory), `{path}`, `{suite_dir}`, `{dtype}`
+    /// (the suite's setting: `float32`, `bfloat16`, `float16` or `native`) and `{parity}`
+    /// (this executable).
     pub fn start(spec: &ProcessSpec, path: &str, dirs: Dirs, dtype: &str, settings: &Settings) -> Result<Self> {
-        let (model, suite_dir) = dirs.absolute();
+        let (checkpoint, suite_dir) = dirs.absolute();
+        let model = match &spec.model {
+            Some(m) => suite_dir.join(m),
+            None => checkpoint.clone(),
+        };
+        let checkpoint_s = checkpoint.display().to_string();
         let extra = spec
             .paths
             .iter()
@@ -185,6 +192,7 @@ impl ProcessPath {
         let (model_s, suite_s) = (model.display().to_string(), suite_dir.display().to_string());
         let values = [
             ("model", model_s.as_str()),
+            ("checkpoint", &checkpoint_s),
             ("path", path),
             ("suite_dir", &suite_s),
             ("dtype", dtype),

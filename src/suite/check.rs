@@ -312,6 +312,12 @@ impl Ctx<'_> {
                 if let Some(c) = &e.command {
                     return Err(only_process("command", c.span()));
                 }
+                if let Some(m) = &e.model {
+                    return Err(self.err(
+                        m.span(),
+                        "engine.model: the builtin runs the checkpoint itself (kind = \"process\" or \"openai\" take a model file)",
+                    ));
+                }
                 if let Some(p) = &e.paths {
                     return Err(only_process("paths", p.span()));
                 }
@@ -375,8 +381,16 @@ impl Ctx<'_> {
                         }
                     },
                 };
+                let model = match &e.model {
+                    Some(m) => Some(
+                        super::expand_env(m.get_ref())
+                            .map_err(|msg| self.err(m.span(), format!("engine.model: {msg}")))?,
+                    ),
+                    None => None,
+                };
                 Ok(EngineSpec::Process(ProcessSpec {
                     command: command.get_ref().clone(),
+                    model,
                     paths: args,
                     reference,
                     timeout: self.seconds("engine.timeout", &e.timeout, 120.0)?,

@@ -179,7 +179,6 @@ pub(super) fn openai_only_key(raw: &Spanned<RawEngine>) -> Option<(&'static str,
     let span = |s: &Option<Spanned<String>>| s.as_ref().map(|v| v.span());
     [
         ("url", span(&e.url)),
-        ("model", span(&e.model)),
         ("ready", span(&e.ready)),
         ("prompt", span(&e.prompt)),
         ("top_logprobs", e.top_logprobs.as_ref().map(|v| v.span())),

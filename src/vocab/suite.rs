@@ -60,8 +60,12 @@ impl EngineSpec {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProcessSpec {
-    /// argv template: `{model}`, `{path}`, `{suite_dir}`, `{parity}` are substituted.
+    /// argv template: `{model}`, `{checkpoint}`, `{path}`, `{suite_dir}`, `{dtype}`, `{parity}`
+    /// are substituted.
     pub command: Vec<String>,
+    /// What `{model}` is, when not the checkpoint directory: the engine's own model file (a
+    /// GGUF beside the checkpoint whose tokenizer parity uses), relative to the suite.
+    pub model: Option<String>,
     /// Path name and the extra arguments appended to `command` for it.
     pub paths: Vec<(String, Vec<String>)>,
     pub reference: ReferenceSpec,
