@@ -356,7 +356,7 @@ impl EnginePath for ProcessPath {
         let faults: Vec<String> = faults.list().iter().map(|f| f.name().to_string()).collect();
         self.call::<Ack>(&Request::Reset { faults })?;
         let failures_before = self.failures;
-        Ok(Box::new(ProcessSession { path: self, seqs: BTreeMap::new(), failures_before }))
+        Ok(Box::new(ProcessSession { path: self, seqs: BTreeMap::new(), failures_before, stats: None }))
     }
 }
 
@@ -377,6 +377,9 @@ struct ProcessSession<'a> {
     /// The path's failure count when this case began: a case that ends without a new one
     /// clears it, so only failures in consecutive cases add up to giving up.
     failures_before: u32,
+    /// The last `stats` reply, until the next operation: the end of a case reads the books,
+    /// the counters and the memory of one state, so the adapter is asked once.
+    stats: Option<WireStats>,
 }
 
 impl Drop for ProcessSession<'_> {
@@ -403,6 +406,7 @@ impl ProcessSession<'_> {
 
 impl Session for ProcessSession<'_> {
     fn create(&mut self, masked_prefix: usize) -> Result<SeqId> {
+        self.stats = None;
         if masked_prefix > 0 && !self.path.info.capabilities.masked_prefix {
             return Err(Error::Unsupported(format!("path `{}` cannot mask left-pad rows", self.path.info.name)));
         }
@@ -419,6 +423,7 @@ impl Session for ProcessSession<'_> {
     }
 
     fn forward(&mut self, rows: &[RowStep]) -> Result<Array> {
+        self.stats = None;
         let t = rows.first().map(|r| r.tokens.len()).unwrap_or(0);
         if t == 0 || rows.iter().any(|r| r.tokens.len() != t || r.logits_at >= t) {
             return Err(Error::Invalid("every row of a step needs the same, non-zero number of tokens".into()));
@@ -454,6 +459,7 @@ impl Session for ProcessSession<'_> {
     }
 
     fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize> {
+        self.stats = None;
         self.state(seq)?;
         let r: TrimReply = self.path.call(&Request::Trim { seq: seq.0, n })?;
         if let Some(s) = self.seqs.get_mut(&seq) {
@@ -463,6 +469,7 @@ impl Session for ProcessSession<'_> {
     }
 
     fn release(&mut self, seq: SeqId) -> Result<()> {
+        self.stats = None;
         self.state(seq)?;
         let _: Ack = self.path.call(&Request::Release { seq: seq.0 })?;
         self.seqs.remove(&seq);
@@ -470,6 +477,7 @@ impl Session for ProcessSession<'_> {
     }
 
     fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<(SeqId, ShareMode)>> {
+        self.stats = None;
         let d = self.state(donor)?;
         if !self.path.info.capabilities.share_prefix {
             return Err(Error::Unsupported(format!("path `{}` cannot share a prefix", self.path.info.name)));
@@ -516,7 +524,10 @@ impl ProcessSession<'_> {
         if !self.path.info.capabilities.stats {
             return Ok(None);
         }
-        let r: StatsReply = self.path.call(&Request::Stats)?;
-        Ok(Some(r.stats))
+        if self.stats.is_none() {
+            let r: StatsReply = self.path.call(&Request::Stats)?;
+            self.stats = Some(r.stats);
+        }
+        Ok(self.stats)
     }
 }
