@@ -58,24 +58,15 @@ computed, rows trimmed (what trim_prompt_cache returned), rows copied by share_p
 """
 
 import argparse
-import base64
 import copy
-import json
 import os
 import sys
 import traceback
 from pathlib import Path
 
-PROTOCOL = 1
+from parity_adapter import Engine, RequestError, Unsupported, capabilities, serve
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "native")
-
-
-class RequestError(Exception):
-    """A bad or failed request: `ok: false` with this sentence; the adapter keeps serving."""
-
-
-class Unsupported(Exception):
-    """An operation this path cannot do: a named skip, not a failure."""
 
 
 # --- model loading ------------------------------------------------------------------------
@@ -239,40 +230,6 @@ class PathBase:
             )
         return self.add(Seq(masked=masked))
 
-    def check_rows(self, rows):
-        if not isinstance(rows, list) or not rows:
-            raise RequestError("forward needs a non-empty list of rows")
-        width = None
-        ids = []
-        for row in rows:
-            tokens, at = row.get("tokens"), row.get("logits_at")
-            self.seq(row.get("seq"))
-            if not isinstance(tokens, list) or not tokens:
-                raise RequestError(f"sequence {row.get('seq')}: tokens must be a non-empty list")
-            if not all(isinstance(t, int) and 0 <= t < self.vocab for t in tokens):
-                raise RequestError(
-                    f"sequence {row['seq']}: every token must be an integer in 0..{self.vocab - 1}"
-                )
-            if width is None:
-                width = len(tokens)
-            elif len(tokens) != width:
-                raise RequestError("every row of a forward must have the same number of tokens")
-            if not isinstance(at, int) or not 0 <= at < len(tokens):
-                raise RequestError(f"sequence {row['seq']}: logits_at {at!r} is not within tokens")
-            ids.append(row["seq"])
-        if len(set(ids)) != len(ids):
-            raise RequestError(f"a forward names a sequence twice: {ids}")
-        return ids
-
-    def logits_reply(self, logits):
-        import numpy as np
-
-        self.mx.eval(logits)
-        if logits.shape[-1] != self.vocab:
-            raise RequestError(f"the model returned {logits.shape[-1]} logits, vocab_size is {self.vocab}")
-        data = np.ascontiguousarray(np.asarray(logits.astype(self.mx.float32)), dtype="<f4")
-        return {"dtype": "f32", "shape": list(data.shape), "b64": base64.b64encode(data.tobytes()).decode()}
-
     def trim_caches(self, cache, n, what):
         """mlx-lm's trim_prompt_cache on one cache list; returns what it removed."""
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
@@ -298,7 +255,6 @@ class PathBase:
             "blocks_in_use": 0,
             "peak_blocks_in_use": 0,
             "blocks_reserved": 0,
-            "sequences": len(self.seqs),
             "counters": dict(self.counts),
         }
 
@@ -315,29 +271,29 @@ class PerSequencePath(PathBase):
         return one_offset([c.offset for c in seq.cache], what)
 
     def forward(self, rows):
-        ids = self.check_rows(rows)
+        ids = [row.seq for row in rows]
         out = []
-        for row, seq_id in zip(rows, ids):
-            seq = self.seqs[seq_id]
+        for row in rows:
+            seq = self.seqs[row.seq]
             if seq.cache is None:
                 seq.cache = self.make_cache()
-            tokens = self.mx.array([row["tokens"]], dtype=self.mx.uint32)
-            logits = self.model(tokens, cache=seq.cache)[0, row["logits_at"]]
-            self.count_call(1, len(row["tokens"]))
+            tokens = self.mx.array([row.tokens], dtype=self.mx.uint32)
+            logits = self.model(tokens, cache=seq.cache)[0, row.logits_at]
+            self.count_call(1, len(row.tokens))
             self.mx.eval(logits, [c.state for c in seq.cache])
             seq.written = True
             out.append(logits)
         self.note_peak()
         lengths = [self.length(self.seqs[i], f"sequence {i}") for i in ids]
-        return {"lengths": lengths, "logits": self.logits_reply(self.mx.stack(out))}
+        return self.mx.stack(out), lengths
 
     def trim(self, seq_id, n):
         seq = self.seq(seq_id)
         if seq.cache is None:
-            return {"removed": 0, "len": 0}
+            return 0, 0
         removed = self.trim_caches(seq.cache, n, f"sequence {seq_id}")
         self.counts["rows_trimmed"] += int(removed)
-        return {"removed": int(removed), "len": self.length(seq, f"sequence {seq_id}")}
+        return removed, self.length(seq, f"sequence {seq_id}")
 
     def release(self, seq_id):
         self.seq(seq_id)
@@ -365,7 +321,7 @@ class PerSequencePath(PathBase):
         new_id = self.add(Seq(cache=cache, written=donor.written))
         self.counts["rows_copied"] += rows
         self.note_peak()
-        return {"seq": new_id, "mode": "copy"}
+        return new_id, "copy"
 
     def caches(self):
         return [seq.cache for seq in self.seqs.values() if seq.cache is not None]
@@ -511,31 +467,29 @@ class BatchPath(PathBase):
     # -- operations --
 
     def forward(self, rows):
-        ids = self.check_rows(rows)
-        for row, seq_id in zip(rows, ids):
-            seq = self.seqs[seq_id]
-            if not seq.written and seq.masked and row["logits_at"] < seq.masked:
+        ids = [row.seq for row in rows]
+        for row in rows:
+            seq = self.seqs[row.seq]
+            if not seq.written and seq.masked and row.logits_at < seq.masked:
                 raise RequestError(
-                    f"sequence {seq_id}: logits_at {row['logits_at']} points into its masked prefix of {seq.masked}"
+                    f"sequence {row.seq}: logits_at {row.logits_at} points into its masked prefix of {seq.masked}"
                 )
         self.compose(ids)
-        by_seq = {seq_id: row for seq_id, row in zip(ids, rows)}
-        tokens = self.mx.array([by_seq[s]["tokens"] for s in self.batch_ids], dtype=self.mx.uint32)
+        by_seq = {row.seq: row for row in rows}
+        tokens = self.mx.array([by_seq[s].tokens for s in self.batch_ids], dtype=self.mx.uint32)
         logits = self.model(tokens, cache=self.batch)
         self.count_call(len(self.batch_ids), tokens.size)
         order = self.mx.array([self.batch_ids.index(s) for s in ids])
-        at = self.mx.array([by_seq[s]["logits_at"] for s in ids])
+        at = self.mx.array([by_seq[s].logits_at for s in ids])
         picked = logits[order, at]
         self.mx.eval(picked, [c.state for c in self.batch])
         for seq_id in ids:
             self.seqs[seq_id].written = True
         self.note_peak()
-        return {"lengths": [self.length(i) for i in ids], "logits": self.logits_reply(picked)}
+        return picked, [self.length(i) for i in ids]
 
     def trim(self, seq_id, n):
         seq = self.seq(seq_id)
-        if not isinstance(n, int) or n < 0:
-            raise RequestError(f"trim needs a non-negative integer n, got {n!r}")
         have = self.length(seq_id)
         real = have - (seq.masked if seq.written else 0)
         if n > real:
@@ -549,7 +503,7 @@ class BatchPath(PathBase):
             self.drop_rows([seq_id] if seq_id in self.batch_ids else [], keep_caches=True)
             removed = self.trim_caches(seq.cache, n, what) if seq.cache is not None else 0
         self.counts["rows_trimmed"] += int(removed)
-        return {"removed": int(removed), "len": self.length(seq_id)}
+        return removed, self.length(seq_id)
 
     def release(self, seq_id):
         self.seq(seq_id)
@@ -583,7 +537,7 @@ class BatchPath(PathBase):
         new_id = self.add(Seq(masked=masked, cache=cache, written=donor.written))
         self.counts["rows_copied"] += rows
         self.note_peak()
-        return {"seq": new_id, "mode": "copy"}
+        return new_id, "copy"
 
     # -- memory --
 
@@ -605,21 +559,27 @@ class BatchPath(PathBase):
 PATHS = {"kv": KVPath, "batch": BatchPath, "quantized": QuantizedPath, "rotating": RotatingPath}
 
 
-# --- the protocol loop ----------------------------------------------------------------------
+# --- the engine, as the adapter kit serves it ----------------------------------------------
 
 
-class Adapter:
+class MlxLmEngine(Engine):
+    """One path (`--cache`) of mlx-lm, its model loaded at start or from hello."""
+
+    name = "mlx-lm"
+
     def __init__(self, args):
         import mlx.core as mx
+        import mlx_lm
 
         self.mx = mx
         self.args = args
+        self.version = mlx_lm.__version__
         self.path = None
         pick_device(mx)
         if args.model:
-            self.load(args.model)
+            self.load_model(args.model)
 
-    def load(self, directory):
+    def load_model(self, directory):
         model, _, vocab = load_model(self.mx, directory, self.args.dtype, self.args.dequantize)
         self.dtype = compute_dtype_name(self.mx, model)
         self.path = PATHS[self.args.cache](self.mx, model, vocab, self.args)
@@ -629,94 +589,39 @@ class Adapter:
             file=sys.stderr,
         )
 
-    def need_path(self):
+    def load(self, model, path, settings):
         if self.path is None:
-            raise RequestError("no model loaded: send hello first (or pass --model)")
-        return self.path
-
-    def hello(self, req):
-        import mlx_lm
-
-        if req.get("protocol") != PROTOCOL:
-            raise RequestError(f"this adapter speaks protocol {PROTOCOL}, not {req.get('protocol')!r}")
-        if self.path is None:
-            if not req.get("model"):
+            if not model:
                 raise RequestError("hello has no model and the adapter was started without --model")
-            self.load(req["model"])
-        path = self.path
-        return {
-            "protocol": PROTOCOL,
-            "engine": {"name": "mlx-lm", "version": mlx_lm.__version__},
-            "vocab_size": path.vocab,
-            "dtype": self.dtype,
-            "capabilities": {
-                "masked_prefix": path.masked_prefix,
-                "share_prefix": True,
-                "max_batch": None,
-                "stats": True,
-                "faults": [],
-                "block_size": None,
-                "kv_row_bytes": path.declared_row_bytes(),
-            },
-        }
+            self.load_model(model)
 
-    def handle(self, req):
-        op = req.get("op")
-        if op == "hello":
-            return self.hello(req)
-        if op == "shutdown":
-            return {}
-        path = self.need_path()
-        if op == "reset":
-            if req.get("faults"):
-                raise RequestError(f"this adapter has no planted faults: {req['faults']}")
-            path.reset()
-            return {}
-        if op == "create":
-            return {"seq": path.create(req.get("masked_prefix", 0))}
-        if op == "forward":
-            return path.forward(req.get("rows"))
-        if op == "trim":
-            n = req.get("n")
-            if not isinstance(n, int) or n < 0:
-                raise RequestError(f"trim needs a non-negative integer n, got {n!r}")
-            return path.trim(req.get("seq"), n)
-        if op == "release":
-            path.release(req.get("seq"))
-            return {}
-        if op == "share_prefix":
-            return path.share_prefix(req.get("donor"), req.get("rows"))
-        if op == "stats":
-            return {"stats": path.stats()}
-        raise RequestError(f"unknown op {op!r}")
+    def describe(self):
+        p = self.path
+        caps = capabilities(
+            masked_prefix=p.masked_prefix, share_prefix=True, stats=True, kv_row_bytes=p.declared_row_bytes()
+        )
+        return {"vocab_size": p.vocab, "dtype": self.dtype, "capabilities": caps}
 
-    def reply(self, line):
-        try:
-            req = json.loads(line)
-        except ValueError as e:
-            return {"id": None, "ok": False, "error": f"request is not JSON: {e}"}, None
-        if not isinstance(req, dict):
-            return {"id": None, "ok": False, "error": "request is not a JSON object"}, None
-        rid = req.get("id")
-        try:
-            return {"id": rid, "ok": True, **self.handle(req)}, req.get("op")
-        except Unsupported as e:
-            return {"id": rid, "ok": False, "unsupported": True, "error": str(e)}, req.get("op")
-        except RequestError as e:
-            return {"id": rid, "ok": False, "error": str(e)}, req.get("op")
-        except Exception as e:  # an engine failure: report it, keep serving
-            traceback.print_exc(file=sys.stderr)
-            return {"id": rid, "ok": False, "error": f"{type(e).__name__}: {e}"}, req.get("op")
+    def reset(self):
+        self.path.reset()
 
-    def serve(self, inp, out):
-        for line in inp:
-            if not line.strip():
-                continue
-            reply, op = self.reply(line)
-            out.write(json.dumps(reply) + "\n")
-            out.flush()
-            if op == "shutdown" and reply["ok"]:
-                return
+    def create(self, masked_prefix):
+        return self.path.create(masked_prefix)
+
+    def forward(self, rows):
+        return self.path.forward(rows)
+
+    def trim(self, seq, n):
+        return self.path.trim(seq, n)
+
+    def release(self, seq):
+        self.path.release(seq)
+
+    def share_prefix(self, donor, rows):
+        return self.path.share_prefix(donor, rows)
+
+    def stats(self):
+        return self.path.stats()
 
 
 def parse_args(argv):
@@ -736,17 +641,16 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    # stdout carries protocol lines only: keep a private handle on it and point fd 1 (Python
-    # and C library output alike) at stderr.
-    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    # Before anything loads: stdout carries protocol lines only.
+    from parity_adapter import protocol_stdout
+
+    out = protocol_stdout()
     try:
-        adapter = Adapter(args)
+        engine = MlxLmEngine(args)
     except Exception as e:
         traceback.print_exc(file=sys.stderr)
         sys.exit(f"[mlx-lm adapter] cannot start: {e}")
-    adapter.serve(sys.stdin, out)
+    serve(engine, out=out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,47 @@
+//! The Python adapter kit (adapters/parity_adapter.py): its own tests, and the toy engine on it
+//! (adapters/toy_adapter.py) through every step scenario of suites/kit.toml, its snapshots
+//! accepted, each row showing the evidence its path can show.
+
+mod common;
+
+use common::{code, parity, text};
+use parity::vocab::{Status, Verdict};
+
+#[test]
+fn the_kit_passes_its_own_tests() {
+    let o = std::process::Command::new("python3")
+        .arg("test_parity_adapter.py")
+        .current_dir(common::repo().join("adapters"))
+        .output()
+        .expect("python3");
+    assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+}
+
+/// An adapter that is only its engine's calls passes a whole suite: every scenario's rows
+/// agree, match their accepted snapshots, and show what the toy did (its batched path batching,
+/// its alone path's batching waived with the reason; trims, copies, chunks, bytes per row).
+#[test]
+fn a_toy_engine_on_the_kit_passes_the_kit_suite_with_its_evidence() {
+    let json = common::scratch("adapter-kit").join("r.json");
+    let o = parity(&["run", "suites/kit.toml", "--update", "no", "--json", json.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    let report: parity::report::Report = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let ran: Vec<_> = report.rows.iter().filter(|r| r.verdict != Verdict::Skipped).collect();
+    assert!(ran.len() >= 40, "{}", ran.len());
+    assert!(ran.iter().all(|r| r.pass && r.verdict == Verdict::Identical), "{}", text(&o));
+    let shown = |scenario: &str, path: &str, claim: &str| {
+        let rows: Vec<_> = ran.iter().filter(|r| r.scenario == scenario && r.path == path).collect();
+        assert!(!rows.is_empty(), "{scenario}/{path}");
+        rows.iter()
+            .map(|r| r.evidence.iter().find(|e| e.claim == claim).map(|e| e.status))
+            .collect::<Vec<_>>()
+    };
+    assert!(shown("batch2", "batched", "batched").iter().all(|s| *s == Some(Status::Held)));
+    assert!(shown("batch2", "alone", "batched").iter().all(|s| *s == Some(Status::Waived)));
+    assert!(shown("prefix", "batched", "shared").iter().all(|s| *s == Some(Status::Held)));
+    assert!(shown("rollback", "alone", "trimmed").iter().all(|s| *s == Some(Status::Held)));
+    assert!(shown("chunked", "alone", "chunked").iter().all(|s| *s == Some(Status::Held)));
+    assert!(shown("single", "batched", "row-bytes").iter().all(|s| *s == Some(Status::Held)));
+    let engine = report.checkpoints[0].engine.as_ref().expect("engine recorded");
+    assert_eq!((engine.name.as_str(), engine.version.as_str()), ("toy", "1"));
+}
