@@ -58,8 +58,8 @@ pub use suite::{MAX_COUNT, SuiteError, load as load_suite, parse as parse_suite}
 
 // The engine interface: implement `EnginePath` and `Session` to drive an engine in process, or
 // speak the step protocol (`protocol`, docs/step-protocol.md) from an adapter.
-pub use engine::builtin::{Builtin, BuiltinSession, generate};
-pub use engine::{Capabilities, EnginePath, PathInfo, Session, ShareMode, protocol};
+pub use engine::builtin::{Builtin, BuiltinAdapter, BuiltinSession, generate};
+pub use engine::{Capabilities, EnginePath, PathInfo, Session, ShareMode, adapter, protocol};
 
 // The MLX device a process computes on, and the BLAS behind it.
 pub use environment::{DeviceChoice, blas, use_device};

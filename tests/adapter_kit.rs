@@ -32,9 +32,7 @@ fn a_toy_engine_on_the_kit_passes_the_kit_suite_with_its_evidence() {
     let shown = |scenario: &str, path: &str, claim: &str| {
         let rows: Vec<_> = ran.iter().filter(|r| r.scenario == scenario && r.path == path).collect();
         assert!(!rows.is_empty(), "{scenario}/{path}");
-        rows.iter()
-            .map(|r| r.evidence.iter().find(|e| e.claim == claim).map(|e| e.status))
-            .collect::<Vec<_>>()
+        rows.iter().map(|r| r.evidence.iter().find(|e| e.claim == claim).map(|e| e.status)).collect::<Vec<_>>()
     };
     assert!(shown("batch2", "batched", "batched").iter().all(|s| *s == Some(Status::Held)));
     assert!(shown("batch2", "alone", "batched").iter().all(|s| *s == Some(Status::Waived)));
@@ -44,4 +42,46 @@ fn a_toy_engine_on_the_kit_passes_the_kit_suite_with_its_evidence() {
     assert!(shown("single", "batched", "row-bytes").iter().all(|s| *s == Some(Status::Held)));
     let engine = report.checkpoints[0].engine.as_ref().expect("engine recorded");
     assert_eq!((engine.name.as_str(), engine.version.as_str()), ("toy", "1"));
+}
+
+/// The Rust kit (`parity::adapter`): the toy engine of `examples/toy_adapter.rs`, a binary
+/// an engine team would build in its own repository, passes the same suite with the same
+/// evidence. `cargo test` builds the examples beside the tests.
+#[test]
+fn a_rust_engine_on_the_kit_passes_the_kit_suite() {
+    let exe = std::env::current_exe().expect("test binary");
+    let toy = exe.parent().and_then(|deps| deps.parent()).expect("target dir").join("examples").join("toy_adapter");
+    if !toy.exists() {
+        // `cargo test` builds the examples; a run of this target alone (`--test adapter_kit`) does not.
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let built = std::process::Command::new(cargo)
+            .args(["build", "--example", "toy_adapter"])
+            .current_dir(common::repo())
+            .status()
+            .expect("cargo build --example toy_adapter");
+        assert!(built.success() && toy.exists(), "{} was not built", toy.display());
+    }
+    let suite = std::fs::read_to_string(common::repo().join("suites/kit.toml")).unwrap();
+    let suite = suite
+        .replace(
+            "command = [\"python3\", \"../adapters/toy_adapter.py\"]",
+            &format!("command = [{:?}]", toy.display().to_string()),
+        )
+        .replace("path = \"../fixtures/", &format!("path = \"{}/", common::repo().join("fixtures").display()));
+    assert!(suite.contains("toy_adapter\"]"), "{suite}");
+    let file = common::scratch("adapter-kit-rs").join("kit.toml");
+    std::fs::write(&file, &suite).unwrap();
+    let json = file.with_extension("json");
+    let o = parity(&["run", file.to_str().unwrap(), "--no-snapshots", "--json", json.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    let report: parity::report::Report = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let ran: Vec<_> = report.rows.iter().filter(|r| r.verdict != Verdict::Skipped).collect();
+    assert!(ran.len() >= 40 && ran.iter().all(|r| r.pass && r.verdict == Verdict::Identical), "{}", text(&o));
+    let batched = ran.iter().filter(|r| r.scenario == "batch2" && r.path == "batched");
+    assert!(batched.clone().count() > 0);
+    for r in batched {
+        assert!(r.evidence.iter().any(|e| e.claim == "batched" && e.status == Status::Held), "{:?}", r.evidence);
+    }
+    let engine = report.checkpoints[0].engine.as_ref().expect("engine recorded");
+    assert_eq!(engine.name, "toy-rs");
 }

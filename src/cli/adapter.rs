@@ -33,6 +33,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
     let config = ModelConfig::load(&dir)?;
     let model = Model::load(&dir, config, a.dtype.resolve(), a.dequantize)
         .with_context(|| format!("loading {}", dir.display()))?;
-    crate::engine::adapter::serve(&model, a.path, std::io::stdin().lock(), std::io::stdout().lock())?;
+    let mut engine = crate::engine::builtin::BuiltinAdapter::new(&model, a.path);
+    crate::engine::adapter::serve(&mut engine, std::io::stdin().lock(), std::io::stdout().lock())
+        .context("serving the step protocol")?;
     Ok(ExitCode::SUCCESS)
 }

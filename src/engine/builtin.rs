@@ -6,9 +6,12 @@
 
 use mlx_rs::Array;
 
+use super::adapter::{AdapterError, Described, Forwarded, StepEngine};
+use super::protocol::{WireCapabilities, WireEngine, WireRow, WireStats};
 use super::{Capabilities, EnginePath, PathInfo, Session, ShareMode};
+use crate::array::host_f32;
 use crate::error::Result;
-use crate::faults::Faults;
+use crate::faults::{Fault, Faults};
 use crate::kv::{Backend, Counters, DenseCache, KvCache, KvStats, PagedBlockPool, PoolOptions, SeqId};
 use crate::model::{AttentionMode, Model, RowStep};
 use crate::vocab::{BuiltinPath, EngineId, Settings, Trace};
@@ -161,4 +164,110 @@ pub fn generate(model: &Model, kv: &mut dyn KvCache, prompt: &[u32], max_tokens:
     let mut calls = Counters::default();
     let mut session = BuiltinSession::new(model, kv, &mut calls, Faults::NONE, AttentionMode::default());
     super::generate(&mut session, prompt, max_tokens)
+}
+
+/// parity's runtime as a step engine: what `parity adapter` serves over the protocol, the
+/// protocol's proof (a suite through `builtin` and through the adapter gives bit-identical
+/// rows, and every planted fault is still caught through it). The model is loaded before
+/// hello; hello builds the path with the suite's settings.
+pub struct BuiltinAdapter<'m> {
+    model: &'m Model,
+    path: BuiltinPath,
+    served: Option<Served<'m>>,
+}
+
+/// The path and the KV store of the current case, with the model calls made on it (a
+/// session is opened per request).
+struct Served<'m> {
+    path: Builtin<'m>,
+    kv: Box<dyn KvCache>,
+    calls: Counters,
+    faults: Faults,
+}
+
+impl<'m> BuiltinAdapter<'m> {
+    pub fn new(model: &'m Model, path: BuiltinPath) -> Self {
+        BuiltinAdapter { model, path, served: None }
+    }
+
+    fn session(&mut self) -> std::result::Result<BuiltinSession<'_>, AdapterError> {
+        let s = self.served.as_mut().ok_or_else(|| AdapterError::Failed("the first request must be hello".into()))?;
+        Ok(BuiltinSession::new(self.model, s.kv.as_mut(), &mut s.calls, s.faults, s.path.path().attention))
+    }
+}
+
+impl StepEngine for BuiltinAdapter<'_> {
+    fn hello(
+        &mut self,
+        _model: &str,
+        _path: &str,
+        settings: &Settings,
+    ) -> std::result::Result<Described, AdapterError> {
+        let path = Builtin::new(self.model, self.path, settings);
+        let info = path.info().clone();
+        let kv = path.kv(Faults::NONE)?;
+        self.served = Some(Served { path, kv, calls: Counters::default(), faults: Faults::NONE });
+        let c = &info.capabilities;
+        Ok(Described {
+            engine: WireEngine { name: "parity".into(), version: env!("CARGO_PKG_VERSION").into() },
+            vocab_size: info.vocab_size,
+            dtype: info.dtype.name().into(),
+            capabilities: WireCapabilities {
+                masked_prefix: c.masked_prefix,
+                share_prefix: c.share_prefix,
+                max_batch: c.max_batch,
+                stats: c.stats,
+                faults: c.faults.iter().map(|f| f.name().to_string()).collect(),
+                block_size: c.block_size,
+                kv_row_bytes: c.kv_row_bytes,
+            },
+        })
+    }
+
+    fn reset(&mut self, faults: &[String]) -> std::result::Result<(), AdapterError> {
+        let s = self.served.as_mut().ok_or_else(|| AdapterError::Failed("the first request must be hello".into()))?;
+        let mut set = Faults::NONE;
+        for f in faults {
+            set = set.with(Fault::parse(f).ok_or_else(|| AdapterError::Failed(format!("unknown fault `{f}`")))?);
+        }
+        s.kv = s.path.kv(set)?;
+        s.calls = Counters::default();
+        s.faults = set;
+        Ok(())
+    }
+
+    fn create(&mut self, masked_prefix: usize) -> std::result::Result<u32, AdapterError> {
+        Ok(self.session()?.create(masked_prefix)?.0)
+    }
+
+    fn forward(&mut self, rows: &[WireRow]) -> std::result::Result<Forwarded, AdapterError> {
+        let steps: Vec<RowStep> = rows
+            .iter()
+            .map(|r| RowStep { seq: SeqId(r.seq), tokens: r.tokens.clone(), logits_at: r.logits_at })
+            .collect();
+        let mut session = self.session()?;
+        let logits = session.forward(&steps)?;
+        let lengths = steps.iter().map(|r| session.len(r.seq)).collect::<Result<Vec<_>>>()?;
+        Ok(Forwarded { logits: host_f32(&logits)?, lengths })
+    }
+
+    fn trim(&mut self, seq: u32, n: usize) -> std::result::Result<(usize, usize), AdapterError> {
+        let mut session = self.session()?;
+        let removed = session.trim(SeqId(seq), n)?;
+        Ok((removed, session.len(SeqId(seq))?))
+    }
+
+    fn release(&mut self, seq: u32) -> std::result::Result<(), AdapterError> {
+        Ok(self.session()?.release(SeqId(seq))?)
+    }
+
+    fn share_prefix(&mut self, donor: u32, rows: usize) -> std::result::Result<Option<(u32, ShareMode)>, AdapterError> {
+        Ok(self.session()?.share_prefix(SeqId(donor), rows)?.map(|(seq, mode)| (seq.0, mode)))
+    }
+
+    fn stats(&mut self) -> std::result::Result<WireStats, AdapterError> {
+        let mut session = self.session()?;
+        let kv = session.stats()?.unwrap_or_default();
+        Ok(WireStats { kv, sequences: 0, counters: session.counters()? })
+    }
 }
