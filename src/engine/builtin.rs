@@ -190,9 +190,14 @@ impl<'m> BuiltinAdapter<'m> {
         BuiltinAdapter { model, path, served: None }
     }
 
+    fn served(&mut self) -> std::result::Result<&mut Served<'m>, AdapterError> {
+        self.served.as_mut().ok_or_else(|| AdapterError::Failed("the first request must be hello".into()))
+    }
+
     fn session(&mut self) -> std::result::Result<BuiltinSession<'_>, AdapterError> {
-        let s = self.served.as_mut().ok_or_else(|| AdapterError::Failed("the first request must be hello".into()))?;
-        Ok(BuiltinSession::new(self.model, s.kv.as_mut(), &mut s.calls, s.faults, s.path.path().attention))
+        let model = self.model;
+        let s = self.served()?;
+        Ok(BuiltinSession::new(model, s.kv.as_mut(), &mut s.calls, s.faults, s.path.path().attention))
     }
 }
 
@@ -225,7 +230,7 @@ impl StepEngine for BuiltinAdapter<'_> {
     }
 
     fn reset(&mut self, faults: &[String]) -> std::result::Result<(), AdapterError> {
-        let s = self.served.as_mut().ok_or_else(|| AdapterError::Failed("the first request must be hello".into()))?;
+        let s = self.served()?;
         let mut set = Faults::NONE;
         for f in faults {
             set = set.with(Fault::parse(f).ok_or_else(|| AdapterError::Failed(format!("unknown fault `{f}`")))?);
