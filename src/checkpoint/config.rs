@@ -16,15 +16,19 @@ pub enum Arch {
     Llama,
     /// Qwen3: per-head RMSNorm on q and k before RoPE, tied embeddings by default.
     Qwen3,
+    /// Gemma 3 (text): sliding-window layers interleaved with global ones, each kind with its
+    /// own RoPE base; `(1 + w)` RMSNorms, four per block; a scaled embedding; GELU MLP.
+    Gemma3,
 }
 
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "qwen3"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "qwen3", "gemma3_text"];
 
 impl Arch {
     pub fn name(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3_text",
         }
     }
 }
@@ -73,6 +77,14 @@ impl Quantization {
     }
 }
 
+/// Local attention: layer `i` sees only the last `size` positions unless `(i + 1) % pattern == 0`
+/// (a global layer), as mlx-lm's gemma3_text counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SlidingWindow {
+    pub size: usize,
+    pub pattern: usize,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ModelConfig {
     pub arch: Arch,
@@ -96,6 +108,12 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
+    /// Gemma 3: which layers attend locally, and how far.
+    pub sliding_window: Option<SlidingWindow>,
+    /// Gemma 3: the RoPE base of the sliding layers (the global ones use `rope_theta`).
+    pub rope_local_theta: Option<f32>,
+    /// Gemma 3: attention scores are scaled by `query_pre_attn_scalar^-0.5`, not `head_dim`'s.
+    pub query_pre_attn_scalar: Option<f32>,
 }
 
 struct Fields<'a> {
@@ -160,6 +178,11 @@ impl<'a> Fields<'a> {
 }
 
 impl ModelConfig {
+    /// How many positions layer `layer` attends to (`None`: every position).
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.filter(|w| !(layer + 1).is_multiple_of(w.pattern)).map(|w| w.size)
+    }
+
     pub fn load(dir: &Path) -> Result<Self> {
         let file = dir.join("config.json");
         let text = std::fs::read_to_string(&file).map_err(|e| Error::io(&file, e))?;
@@ -180,6 +203,7 @@ impl ModelConfig {
         let arch = match model_type {
             "llama" => Arch::Llama,
             "qwen3" => Arch::Qwen3,
+            "gemma3_text" => Arch::Gemma3,
             other => {
                 return Err(f.err(
                     "model_type",
@@ -210,7 +234,23 @@ impl ModelConfig {
 
         let default_theta = match arch {
             Arch::Llama => 10_000.0,
-            Arch::Qwen3 => 1_000_000.0,
+            Arch::Qwen3 | Arch::Gemma3 => 1_000_000.0,
+        };
+        let num_layers = f.usize("num_hidden_layers")?;
+        let (sliding_window, rope_local_theta, query_pre_attn_scalar) = match arch {
+            Arch::Gemma3 => {
+                let window = SlidingWindow {
+                    size: f.usize_opt("sliding_window")?.unwrap_or(512),
+                    pattern: f.usize_opt("sliding_window_pattern")?.unwrap_or(6),
+                };
+                check_layer_types(&f, window, num_layers)?;
+                (
+                    Some(window),
+                    Some(f.f32_or("rope_local_base_freq", 10_000.0)?),
+                    Some(f.f32_or("query_pre_attn_scalar", 256.0)?),
+                )
+            }
+            Arch::Llama | Arch::Qwen3 => (None, None, None),
         };
         let rope_scaling = parse_rope_scaling(&f)?;
         let quantization = parse_quantization(&f)?;
@@ -218,7 +258,7 @@ impl ModelConfig {
         Ok(ModelConfig {
             arch,
             hidden_size,
-            num_layers: f.usize("num_hidden_layers")?,
+            num_layers,
             intermediate_size: f.usize("intermediate_size")?,
             num_heads,
             num_kv_heads,
@@ -236,8 +276,41 @@ impl ModelConfig {
             bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: f.token_ids("eos_token_id")?,
             pad_token_id: f.token_ids("pad_token_id")?.first().copied(),
+            sliding_window,
+            rope_local_theta,
+            query_pre_attn_scalar,
         })
     }
+}
+
+/// Transformers' Gemma 3 configs also list `layer_types`; mlx-lm reads only the pattern. A
+/// list that disagrees with the pattern would make the two run different models, so it is an
+/// error here, naming the first layer where they part.
+fn check_layer_types(f: &Fields, w: SlidingWindow, layers: usize) -> Result<()> {
+    let Some(v) = f.get("layer_types") else { return Ok(()) };
+    let kinds = v.as_array().ok_or_else(|| f.err("layer_types", "expected an array of strings"))?;
+    if kinds.len() != layers {
+        return Err(f.err("layer_types", format!("{} entries for {layers} layers", kinds.len())));
+    }
+    for (i, kind) in kinds.iter().enumerate() {
+        let sliding = match kind.as_str() {
+            Some("sliding_attention") => true,
+            Some("full_attention") => false,
+            _ => {
+                return Err(f.err(
+                    "layer_types",
+                    format!("entry {i}: expected sliding_attention or full_attention, found {kind}"),
+                ));
+            }
+        };
+        if sliding == (i + 1).is_multiple_of(w.pattern) {
+            return Err(f.err(
+                "layer_types",
+                format!("layer {i} is {kind}, but sliding_window_pattern = {} makes it the other kind", w.pattern),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn parse_rope_scaling(f: &Fields) -> Result<RopeScaling> {
@@ -309,4 +382,40 @@ fn parse_quantization(f: &Fields) -> Result<Option<Quantization>> {
         }
     }
     Ok(Some(Quantization { default, overrides }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GEMMA: &str = r#"{"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 128, "num_hidden_layers": 4,
+        "vocab_size": 320, "sliding_window": 10, "sliding_window_pattern": 2 LAYER_TYPES}"#;
+
+    fn parse(layer_types: &str) -> Result<ModelConfig> {
+        ModelConfig::parse(Path::new("config.json"), &GEMMA.replace("LAYER_TYPES", layer_types))
+    }
+
+    #[test]
+    fn gemma3_windows_follow_the_pattern_as_mlx_lm_counts_it() {
+        let c = parse("").unwrap();
+        let windows: Vec<_> = (0..4).map(|l| c.layer_window(l)).collect();
+        assert_eq!(windows, [Some(10), None, Some(10), None]);
+        assert_eq!((c.rope_local_theta, c.query_pre_attn_scalar, c.rope_theta), (Some(10_000.0), Some(256.0), 1e6));
+        let agreeing =
+            r#", "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]"#;
+        assert_eq!(parse(agreeing).unwrap(), c);
+    }
+
+    /// mlx-lm reads only the pattern: a `layer_types` list that disagrees would have parity and
+    /// mlx-lm run two different models under one name.
+    #[test]
+    fn layer_types_that_disagree_with_the_pattern_are_refused() {
+        let swapped =
+            r#", "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]"#;
+        let e = parse(swapped).unwrap_err().to_string();
+        assert!(e.contains("layer_types") && e.contains("layer 0"), "{e}");
+        let short = r#", "layer_types": ["sliding_attention"]"#;
+        assert!(parse(short).unwrap_err().to_string().contains("1 entries for 4 layers"));
+    }
 }

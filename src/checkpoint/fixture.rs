@@ -50,6 +50,16 @@ pub struct FixtureSpec {
     /// near-ties by accident.
     #[serde(default = "default_logit_scale")]
     pub logit_scale: f64,
+    /// gemma3_text: positions a sliding layer attends to, and every how many layers one is
+    /// global.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    #[serde(default)]
+    pub sliding_window_pattern: Option<usize>,
+    #[serde(default)]
+    pub rope_local_base_freq: Option<f64>,
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -110,8 +120,12 @@ pub fn materialize(spec_path: &Path) -> Result<PathBuf> {
 
 fn validate(s: &FixtureSpec, file: &Path) -> Result<()> {
     let err = |m: String| Err(Error::config(file, m));
-    if !["llama", "qwen3"].contains(&s.model_type.as_str()) {
+    if !["llama", "qwen3", "gemma3_text"].contains(&s.model_type.as_str()) {
         return err(format!("field `model_type`: unsupported `{}`", s.model_type));
+    }
+    let windowed = s.sliding_window.is_some() || s.sliding_window_pattern.is_some() || s.rope_local_base_freq.is_some();
+    if windowed && s.model_type != "gemma3_text" {
+        return err("fields `sliding_window*`, `rope_local_base_freq`: only for model_type gemma3_text".into());
     }
     if s.vocab_size < 259 {
         return err("field `vocab_size`: must be at least 259 (256 bytes + 3 special tokens)".into());
@@ -216,16 +230,27 @@ fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
     // A tied embedding is also the output projection: a large one makes the model echo its
     // last input token. Small embeddings let the (context-dependent) residual branches decide.
     // The final norm's gain then restores a logit spread of about `logit_scale`.
-    let embed_std = if spec.tie_word_embeddings { 0.1 } else { 1.0 };
+    // Gemma multiplies the embedding by sqrt(hidden) on the way in: stored that much smaller,
+    // it enters the residual stream as large as the others' does.
+    let gemma = spec.model_type == "gemma3_text";
+    let embed_std = if spec.tie_word_embeddings { 0.1 } else { 1.0 } / if gemma { (h as f64).sqrt() } else { 1.0 };
     let embed = tensor(&mut rng, v * h, embed_std);
     w.matrix("model.embed_tokens", v, h, &embed);
-    let norm = |rng: &mut Rng, n: usize| -> Vec<f32> { (0..n).map(|_| 1.0 + 0.1 * rng.normal()).collect() };
+    // Gemma stores a norm's gain as its offset from 1 (the norm multiplies by 1 + w).
+    let stored = |g: f32| if gemma { g - 1.0 } else { g };
+    let gains = |rng: &mut Rng, n: usize| -> Vec<f32> { (0..n).map(|_| 1.0 + 0.1 * rng.normal()).collect() };
+    let norm = |rng: &mut Rng, n: usize| -> Vec<f32> { gains(rng, n).into_iter().map(stored).collect() };
     for l in 0..spec.num_hidden_layers {
         let p = format!("model.layers.{l}");
-        let x = norm(&mut rng, h);
-        w.float(&format!("{p}.input_layernorm.weight"), &[h], &x);
-        let x = norm(&mut rng, h);
-        w.float(&format!("{p}.post_attention_layernorm.weight"), &[h], &x);
+        let norms: &[&str] = if gemma {
+            &["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        } else {
+            &["input_layernorm", "post_attention_layernorm"]
+        };
+        for name in norms {
+            let x = norm(&mut rng, h);
+            w.float(&format!("{p}.{name}.weight"), &[h], &x);
+        }
         // Gains: sharp attention (q, k) and residual branches (o, down) that outweigh the
         // token embedding, so outputs depend on context and position. With unit gains a tied
         // model mostly repeats its last input token and is blind to KV bugs.
@@ -238,7 +263,7 @@ fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
             let x = tensor(&mut rng, rows * cols, gain * inv(cols));
             w.matrix(&format!("{p}.self_attn.{name}"), rows, cols, &x);
         }
-        if spec.model_type == "qwen3" {
+        if spec.model_type != "llama" {
             let x = norm(&mut rng, d);
             w.float(&format!("{p}.self_attn.q_norm.weight"), &[d], &x);
             let x = norm(&mut rng, d);
@@ -250,7 +275,7 @@ fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
         }
     }
     let gain = if spec.tie_word_embeddings { spec.logit_scale / (embed_std * (h as f64).sqrt()) } else { 1.0 };
-    let x: Vec<f32> = norm(&mut rng, h).into_iter().map(|x| x * gain as f32).collect();
+    let x: Vec<f32> = gains(&mut rng, h).into_iter().map(|g| stored(g * gain as f32)).collect();
     w.float("model.norm.weight", &[h], &x);
     if !spec.tie_word_embeddings {
         let x = tensor(&mut rng, v * h, spec.logit_scale * inv(h));
@@ -272,7 +297,11 @@ fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
     write(&file, &bytes)?;
 
     let mut config = json!({
-        "architectures": [if spec.model_type == "qwen3" { "Qwen3ForCausalLM" } else { "LlamaForCausalLM" }],
+        "architectures": [match spec.model_type.as_str() {
+            "qwen3" => "Qwen3ForCausalLM",
+            "gemma3_text" => "Gemma3ForCausalLM",
+            _ => "LlamaForCausalLM",
+        }],
         "model_type": spec.model_type,
         "hidden_size": h,
         "num_hidden_layers": spec.num_hidden_layers,
@@ -292,6 +321,16 @@ fn write_checkpoint(spec: &FixtureSpec, dir: &Path) -> Result<()> {
     });
     if let Some(rs) = &spec.rope_scaling {
         config["rope_scaling"] = serde_json::to_value(rs).map_err(|e| Error::Invalid(e.to_string()))?;
+    }
+    for (key, value) in [
+        ("sliding_window", spec.sliding_window.map(|x| json!(x))),
+        ("sliding_window_pattern", spec.sliding_window_pattern.map(|x| json!(x))),
+        ("rope_local_base_freq", spec.rope_local_base_freq.map(|x| json!(x))),
+        ("query_pre_attn_scalar", spec.query_pre_attn_scalar.map(|x| json!(x))),
+    ] {
+        if let Some(v) = value {
+            config[key] = v;
+        }
     }
     if let Some(q) = spec.quantization {
         config["quantization"] = json!({"group_size": q.group_size, "bits": q.bits, "mode": "affine"});

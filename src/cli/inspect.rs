@@ -90,6 +90,16 @@ fn describe(c: &ModelConfig, weights: Option<&WeightStore>) {
         c.vocab_size
     );
     println!("attention    {} heads, {} KV heads, head_dim {}", c.num_heads, c.num_kv_heads, c.head_dim);
+    if let Some(w) = c.sliding_window {
+        let local = (0..c.num_layers).filter(|&l| c.layer_window(l).is_some()).count();
+        println!(
+            "window       {} positions on {local} of {} layers (one in {} is global), local rope theta {}",
+            w.size,
+            c.num_layers,
+            w.pattern,
+            c.rope_local_theta.unwrap_or(c.rope_theta)
+        );
+    }
     println!(
         "rope         theta {}, scaling {:?}, context {}",
         c.rope_theta, c.rope_scaling, c.max_position_embeddings

@@ -1,10 +1,11 @@
 //! The building blocks shared by every family: linear (dense or MLX affine-quantized),
-//! embedding (whose quantized form doubles as a tied output projection), RMSNorm, SwiGLU MLP.
+//! embedding (whose quantized form doubles as a tied output projection), RMSNorm (with
+//! Gemma's `1 + w` gain), gated MLP (SwiGLU, or GELU for Gemma).
 
 use mlx_rs::{Array, Dtype};
 
 use crate::checkpoint::weights::{Expect, packed_layout};
-use crate::checkpoint::{QuantSpec, Quantization, WeightStore};
+use crate::checkpoint::{ModelConfig, QuantSpec, Quantization, WeightStore};
 use crate::error::Result;
 
 /// How float tensors are converted at load: everything floating (weights, norms, quantization
@@ -256,9 +257,31 @@ pub struct RmsNorm {
     eps: f32,
 }
 
+/// How a checkpoint stores an RMSNorm's gain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormGain {
+    /// The gain itself (Llama, Qwen3).
+    Stored,
+    /// Its offset from 1: the norm multiplies by `1 + w` (Gemma). Added once at load, in the
+    /// compute dtype, the same addition mlx-lm makes on every call.
+    OffsetFromOne,
+}
+
 impl RmsNorm {
-    pub fn load(w: &mut WeightStore, path: &str, dim: usize, eps: f32, opts: &LoadOptions) -> Result<Self> {
-        Ok(RmsNorm { weight: cast(w.take(&format!("{path}.weight"), Expect::float(&[dim]))?, opts)?, eps })
+    pub fn load(
+        w: &mut WeightStore,
+        path: &str,
+        dim: usize,
+        eps: f32,
+        gain: NormGain,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
+        let weight = cast(w.take(&format!("{path}.weight"), Expect::float(&[dim]))?, opts)?;
+        let weight = match gain {
+            NormGain::Stored => weight,
+            NormGain::OffsetFromOne => weight.add(Array::from_f32(1.0).as_dtype(weight.dtype())?)?,
+        };
+        Ok(RmsNorm { weight, eps })
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
@@ -266,27 +289,39 @@ impl RmsNorm {
     }
 }
 
-/// SwiGLU: `down(silu(gate(x)) * up(x))`, gate and up in one matmul.
+/// The gate's nonlinearity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU (Llama, Qwen3).
+    Silu,
+    /// GELU, tanh approximation (Gemma's `gelu_pytorch_tanh`; mlx-lm's `nn.gelu_approx`).
+    GeluTanh,
+}
+
+/// Gated MLP: `down(act(gate(x)) * up(x))`, gate and up in one matmul.
 pub struct Mlp {
     gate_up: Stacked,
     down: Linear,
+    activation: Activation,
 }
 
 impl Mlp {
+    /// `{path}.{gate,up,down}_proj` of a checkpoint with config `c`.
     pub fn load(
         w: &mut WeightStore,
-        quant: Option<&Quantization>,
+        c: &ModelConfig,
         path: &str,
-        hidden: usize,
-        intermediate: usize,
-        bias: bool,
+        activation: Activation,
         opts: &LoadOptions,
     ) -> Result<Self> {
+        let (quant, hidden, intermediate, bias) =
+            (c.quantization.as_ref(), c.hidden_size, c.intermediate_size, c.mlp_bias);
         let gate = Linear::load(w, quant, &format!("{path}.gate_proj"), hidden, intermediate, bias, opts)?;
         let up = Linear::load(w, quant, &format!("{path}.up_proj"), hidden, intermediate, bias, opts)?;
         Ok(Mlp {
             gate_up: Stacked::new(vec![gate, up])?,
             down: Linear::load(w, quant, &format!("{path}.down_proj"), intermediate, hidden, bias, opts)?,
+            activation,
         })
     }
 
@@ -296,7 +331,11 @@ impl Mlp {
             .forward(x)?
             .try_into()
             .map_err(|_| crate::error::Error::Invalid("gate/up projection did not split in two".into()))?;
-        let h = mlx_rs::nn::silu(&g)?.multiply(&u)?;
+        let g = match self.activation {
+            Activation::Silu => mlx_rs::nn::silu(&g)?,
+            Activation::GeluTanh => mlx_rs::nn::gelu_approximate(&g)?,
+        };
+        let h = g.multiply(&u)?;
         self.down.forward(&h)
     }
 }

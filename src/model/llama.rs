@@ -5,9 +5,14 @@
 //! `model.norm` and `lm_head` (absent when tied). RoPE may carry Llama 3 `rope_scaling`.
 
 use super::FamilySpec;
+use super::layers::{Activation, NormGain};
 
 pub const SPEC: FamilySpec = FamilySpec {
     qk_norm: false,
     // mlx-lm's default; Llama 3.2 1B/3B and SmolLM2 say `true` explicitly, 8B says `false`.
     tie_by_default: true,
+    norm_gain: NormGain::Stored,
+    sandwich_norms: false,
+    embed_scale: false,
+    activation: Activation::Silu,
 };

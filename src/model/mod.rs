@@ -4,6 +4,7 @@
 //! row by row ([`AttentionMode`]), a comparison of its own.
 
 pub mod attention;
+pub mod gemma3;
 pub mod layers;
 pub mod llama;
 pub mod qwen3;
@@ -21,22 +22,35 @@ use crate::kv::{KvCache, KvShape, SeqId};
 
 use attention::StepContext;
 pub use attention::{Attention, AttentionMode};
-pub use layers::{Embedding, Linear, LoadOptions, Mlp, RmsNorm};
-use rope::Rope;
+pub use layers::{Activation, Embedding, Linear, LoadOptions, Mlp, NormGain, RmsNorm};
+use rope::Ropes;
 
-/// What a family contributes beyond the shared decoder (see `llama.rs`, `qwen3.rs`).
+/// What a family contributes beyond the shared decoder (see `llama.rs`, `qwen3.rs`,
+/// `gemma3.rs`).
 pub struct FamilySpec {
-    /// Per-head RMSNorm on q and k before RoPE (Qwen3).
+    /// Per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3).
     pub qk_norm: bool,
     /// Whether the output projection is the embedding when config.json does not say.
     pub tie_by_default: bool,
+    /// How every RMSNorm's gain is stored.
+    pub norm_gain: NormGain,
+    /// Norms on the attention's and the MLP's outputs too, before each residual add (Gemma).
+    pub sandwich_norms: bool,
+    /// The embedding multiplied by `sqrt(hidden_size)`, rounded to bfloat16 (Gemma).
+    pub embed_scale: bool,
+    pub activation: Activation,
 }
 
 pub struct Block {
     pub input_norm: RmsNorm,
     pub attn: Attention,
-    pub post_norm: RmsNorm,
+    /// Gemma's `post_attention_layernorm`, on the attention's output.
+    pub attn_out_norm: Option<RmsNorm>,
+    /// Before the MLP: Llama's `post_attention_layernorm`, Gemma's `pre_feedforward_layernorm`.
+    pub mlp_norm: RmsNorm,
     pub mlp: Mlp,
+    /// Gemma's `post_feedforward_layernorm`, on the MLP's output.
+    pub mlp_out_norm: Option<RmsNorm>,
 }
 
 pub struct Model {
@@ -48,7 +62,9 @@ pub struct Model {
     norm: RmsNorm,
     /// `None`: tied to the embedding.
     lm_head: Option<Linear>,
-    rope: Rope,
+    ropes: Ropes,
+    /// `sqrt(hidden_size)` in the compute dtype, where the family scales its embedding.
+    embed_scale: Option<Array>,
     /// Planted faults (see `faults`); a runtime setting, none by default.
     faults: std::cell::Cell<Faults>,
 }
@@ -87,6 +103,7 @@ impl Model {
         let spec = match config.arch {
             Arch::Llama => llama::SPEC,
             Arch::Qwen3 => qwen3::SPEC,
+            Arch::Gemma3 => gemma3::SPEC,
         };
         let stored = w.dtype_of("model.norm.weight").and_then(DtypeName::from_mlx).unwrap_or(DtypeName::Float32);
         let dtype_name = dtype.unwrap_or(stored);
@@ -94,23 +111,30 @@ impl Model {
         let q = config.quantization.as_ref();
         let c = &config;
         let embed = Embedding::load(w, q, "model.embed_tokens", c.vocab_size, c.hidden_size, &opts)?;
+        let gain = spec.norm_gain;
+        let norm = |w: &mut WeightStore, name: &str| RmsNorm::load(w, name, c.hidden_size, c.rms_norm_eps, gain, &opts);
         let mut blocks = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
+            let (attn_out_norm, mlp_norm, mlp_out_norm) = if spec.sandwich_norms {
+                (
+                    Some(norm(w, &format!("{p}.post_attention_layernorm"))?),
+                    norm(w, &format!("{p}.pre_feedforward_layernorm"))?,
+                    Some(norm(w, &format!("{p}.post_feedforward_layernorm"))?),
+                )
+            } else {
+                (None, norm(w, &format!("{p}.post_attention_layernorm"))?, None)
+            };
             blocks.push(Block {
-                input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm"), c.hidden_size, c.rms_norm_eps, &opts)?,
-                attn: Attention::load(w, c, &format!("{p}.self_attn"), spec.qk_norm, &opts)?,
-                post_norm: RmsNorm::load(
-                    w,
-                    &format!("{p}.post_attention_layernorm"),
-                    c.hidden_size,
-                    c.rms_norm_eps,
-                    &opts,
-                )?,
-                mlp: Mlp::load(w, q, &format!("{p}.mlp"), c.hidden_size, c.intermediate_size, c.mlp_bias, &opts)?,
+                input_norm: norm(w, &format!("{p}.input_layernorm"))?,
+                attn: Attention::load(w, c, &format!("{p}.self_attn"), i, spec.qk_norm, gain, &opts)?,
+                attn_out_norm,
+                mlp_norm,
+                mlp: Mlp::load(w, c, &format!("{p}.mlp"), spec.activation, &opts)?,
+                mlp_out_norm,
             });
         }
-        let norm = RmsNorm::load(w, "model.norm", c.hidden_size, c.rms_norm_eps, &opts)?;
+        let norm = norm(w, "model.norm")?;
         let tied = match c.tie_word_embeddings {
             Some(t) => t,
             None => spec.tie_by_default && !w.contains("lm_head.weight"),
@@ -120,7 +144,13 @@ impl Model {
         // Every tensor problem the loaders found (missing, shape, dtype, quantized layout), at
         // once: the one validation `inspect` shares.
         w.finish()?;
-        let rope = Rope::new(c)?;
+        let ropes = Ropes::new(c)?;
+        let embed_scale = if spec.embed_scale {
+            let scale = half::bf16::from_f32((c.hidden_size as f32).sqrt()).to_f32();
+            Some(Array::from_f32(scale).as_dtype(dtype_name.mlx())?)
+        } else {
+            None
+        };
         Ok(Model {
             config,
             dtype: dtype_name,
@@ -129,7 +159,8 @@ impl Model {
             blocks,
             norm,
             lm_head,
-            rope,
+            ropes,
+            embed_scale,
             faults: std::cell::Cell::new(Faults::NONE),
         })
     }
@@ -225,11 +256,20 @@ impl Model {
             starts.push(kv.reserve(seq, t)?);
         }
         let mut x = self.embed.forward(&ids)?;
-        let step = StepContext::new(mode, seqs, starts, masked, t, &self.rope, self.faults.get());
+        if let Some(scale) = &self.embed_scale {
+            x = x.multiply(scale)?;
+        }
+        let step = StepContext::new(mode, seqs, starts, masked, t, &self.ropes, self.faults.get());
         for (layer, block) in self.blocks.iter().enumerate() {
-            let h = block.attn.forward(&block.input_norm.forward(&x)?, layer, kv, &step)?;
+            let mut h = block.attn.forward(&block.input_norm.forward(&x)?, layer, kv, &step)?;
+            if let Some(n) = &block.attn_out_norm {
+                h = n.forward(&h)?;
+            }
             x = x.add(&h)?;
-            let h = block.mlp.forward(&block.post_norm.forward(&x)?)?;
+            let mut h = block.mlp.forward(&block.mlp_norm.forward(&x)?)?;
+            if let Some(n) = &block.mlp_out_norm {
+                h = n.forward(&h)?;
+            }
             x = x.add(&h)?;
         }
         // Only the selected position of each row goes through the final norm and the head.

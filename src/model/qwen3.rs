@@ -4,5 +4,13 @@
 //! 1e6 and small checkpoints tie the output projection to the embedding.
 
 use super::FamilySpec;
+use super::layers::{Activation, NormGain};
 
-pub const SPEC: FamilySpec = FamilySpec { qk_norm: true, tie_by_default: true };
+pub const SPEC: FamilySpec = FamilySpec {
+    qk_norm: true,
+    tie_by_default: true,
+    norm_gain: NormGain::Stored,
+    sandwich_norms: false,
+    embed_scale: false,
+    activation: Activation::Silu,
+};

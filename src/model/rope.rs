@@ -13,6 +13,27 @@ use mlx_rs::Array;
 use crate::checkpoint::{ModelConfig, RopeScaling};
 use crate::error::{Error, Result};
 
+/// One RoPE per kind of layer: the global one, and the sliding layers' own where the family
+/// has one.
+pub struct Ropes {
+    global: Rope,
+    local: Option<Rope>,
+}
+
+impl Ropes {
+    pub fn new(cfg: &ModelConfig) -> Result<Self> {
+        Ok(Ropes { global: Rope::new(cfg)?, local: Rope::local(cfg) })
+    }
+
+    /// The RoPE of a layer that is windowed (`sliding`) or not.
+    pub fn for_layer(&self, sliding: bool) -> &Rope {
+        match (&self.local, sliding) {
+            (Some(local), true) => local,
+            _ => &self.global,
+        }
+    }
+}
+
 pub struct Rope {
     dims: i32,
     traditional: bool,
@@ -42,6 +63,18 @@ impl Rope {
             }
         };
         Ok(Rope { dims, traditional: cfg.rope_traditional, base, scale, freqs })
+    }
+
+    /// The sliding-window layers' RoPE where the family gives them their own base (Gemma 3:
+    /// `rope_local_base_freq`, never scaled, as in mlx-lm's gemma3_text).
+    fn local(cfg: &ModelConfig) -> Option<Self> {
+        cfg.rope_local_theta.map(|base| Rope {
+            dims: cfg.head_dim as i32,
+            traditional: cfg.rope_traditional,
+            base: Some(base),
+            scale: 1.0,
+            freqs: None,
+        })
     }
 
     /// Rotate `x` (`[1, H, T, D]`, one sequence) whose first row sits at `offset`.

@@ -2,7 +2,8 @@
 //! run it. One RoPE call rotates `[B, H, T, D]` with an array of per-row offsets, one cache write
 //! stores every row's K/V, one cache read returns `[B, kv_heads, W, D]` for the longest visible
 //! length W, and one attention call covers the batch with a mask that hides each row's keys
-//! past its own length (ragged rows) and its masked left pads.
+//! past its own length (ragged rows), its masked left pads and, on a sliding-window layer, its
+//! keys older than the window.
 //!
 //! The planted batching faults live here, in the operations they break: `rope-batch-alias` (the
 //! single-offset call on the batch), `batch-row-swap` (the offsets array), `ragged-mask-wide`
@@ -11,7 +12,7 @@
 use mlx_rs::Array;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
 
-use super::StepContext;
+use super::{LayerView, StepContext};
 use crate::error::Result;
 use crate::faults::{Fault, Faults};
 use crate::kv::KvCache;
@@ -22,8 +23,10 @@ pub struct Step {
     /// `[B]` int32 RoPE offsets, one per row.
     offsets: Array,
     tokens: usize,
-    /// The mask for the visible lengths the cache reported (the same for every layer).
+    /// The mask for the visible lengths the cache reported (the same for every global layer).
     mask: Memo<Vec<usize>, Mask>,
+    /// The same for every sliding-window layer.
+    local_mask: Memo<Vec<usize>, Mask>,
 }
 
 #[derive(Clone)]
@@ -44,34 +47,35 @@ impl Step {
             offsets.swap(0, 1);
         }
         let n = offsets.len() as i32;
-        Step { offsets: Array::from_slice(&offsets, &[n]), tokens, mask: Memo::new() }
+        Step { offsets: Array::from_slice(&offsets, &[n]), tokens, mask: Memo::new(), local_mask: Memo::new() }
     }
 }
 
 /// `q`: `[B, H, T, D]`, `k`/`v`: `[B, kv_heads, T, D]` -> `[B, H, T, D]`.
-#[allow(clippy::too_many_arguments)]
 pub fn attend(
     step: &Step,
-    scale: f32,
     q: Array,
     k: Array,
     v: Array,
-    layer: usize,
+    view: &LayerView,
     kv: &mut dyn KvCache,
     ctx: &StepContext,
 ) -> Result<Array> {
     let (b, t) = (q.shape()[0], q.shape()[2]);
+    let (layer, scale, rope) = (view.layer, view.scale, view.rope);
     let (q, k) = if ctx.faults.has(Fault::RopeBatchAlias) && b > 1 && t == 1 {
         // Planted fault: the "uniform offsets" fast path, one call with row 0's offset.
-        (ctx.rope.apply_batch_aliased(&q, ctx.offsets[0])?, ctx.rope.apply_batch_aliased(&k, ctx.offsets[0])?)
+        (rope.apply_batch_aliased(&q, ctx.offsets[0])?, rope.apply_batch_aliased(&k, ctx.offsets[0])?)
     } else {
-        (ctx.rope.apply_batch(&q, &step.offsets)?, ctx.rope.apply_batch(&k, &step.offsets)?)
+        (rope.apply_batch(&q, &step.offsets)?, rope.apply_batch(&k, &step.offsets)?)
     };
     // The write comes before the read: the store's old version is then free to be updated in
     // place (MLX donates a buffer only when nothing else holds it).
     kv.write_batch(layer, &ctx.seqs, &ctx.starts, &k, &v)?;
     let read = kv.read_batch(layer, &ctx.seqs)?;
-    let mask = step.mask.get_or_try(read.visible, |visible| Ok(mask(visible, &ctx.masked, step.tokens, ctx.faults)))?;
+    let memo = if view.window.is_some() { &step.local_mask } else { &step.mask };
+    let mask =
+        memo.get_or_try(read.visible, |visible| Ok(mask(visible, &ctx.masked, step.tokens, view.window, ctx.faults)))?;
     let (keys, values) = (&read.keys, &read.values);
     Ok(match &mask {
         Mask::None => mlx_rs::fast::scaled_dot_product_attention(&q, keys, values, scale, None, None)?,
@@ -84,19 +88,26 @@ pub fn attend(
 }
 
 /// The mask for rows whose keys are `visible[b]` long (each row's last `t` are this step's
-/// tokens) in a read `W = max(visible)` wide, with `masked[b]` left pads.
+/// tokens) in a read `W = max(visible)` wide, with `masked[b]` left pads, on a layer that sees
+/// the last `window` positions (`None`: all of them).
 ///
 /// Query j of row b sits at key column `visible[b] - t + j` and sees the columns up to it:
 /// causal within the step, and blind to the filler past the row's end. Real queries never see
 /// the masked prefix; pad queries see the pads before them, so their softmax is defined (their
-/// outputs are never used).
-fn mask(visible: &[usize], masked: &[usize], t: usize, faults: Faults) -> Mask {
+/// outputs are never used). A windowed query at column q sees only the columns c with
+/// `q - c < window`, as mlx-lm's `create_causal_mask` has it; pads and real tokens share the
+/// column axis, so the difference of columns is the difference of positions.
+fn mask(visible: &[usize], masked: &[usize], t: usize, window: Option<usize>, faults: Faults) -> Mask {
     let w = visible.iter().copied().max().unwrap_or(0);
     let pads = !faults.has(Fault::PadUnmasked) && masked.iter().any(|&m| m > 0);
     let ragged = visible.iter().any(|&n| n != w);
-    if !pads && !ragged {
+    // Every query's window holds all its keys: the oldest query, at column w - t, reaches
+    // column 0 when w - t < window.
+    let windowed = window.is_some_and(|win| w > win);
+    if !pads && !ragged && !windowed {
         return if t == 1 { Mask::None } else { Mask::Causal };
     }
+    let win = window.unwrap_or(usize::MAX);
     let mut m = Vec::with_capacity(visible.len() * t * w);
     for (&n, &pad) in visible.iter().zip(masked) {
         let pad = if faults.has(Fault::PadUnmasked) { 0 } else { pad };
@@ -104,7 +115,7 @@ fn mask(visible: &[usize], masked: &[usize], t: usize, faults: Faults) -> Mask {
         let reach = usize::from(faults.has(Fault::RaggedMaskWide) && n < w);
         for j in 0..t {
             let q = (n + j).saturating_sub(t);
-            m.extend((0..w).map(|c| c <= q + reach && (c >= pad || q < pad)));
+            m.extend((0..w).map(|c| c <= q + reach && q - c.min(q) < win && (c >= pad || q < pad)));
         }
     }
     Mask::Array(Array::from_slice(&m, &[visible.len() as i32, 1, t as i32, w as i32]))
@@ -123,23 +134,23 @@ mod tests {
 
     #[test]
     fn uniform_rows_need_no_mask_array() {
-        assert!(matches!(mask(&[5, 5], &[0, 0], 1, Faults::NONE), Mask::None));
-        assert!(matches!(mask(&[5, 5], &[0, 0], 3, Faults::NONE), Mask::Causal));
+        assert!(matches!(mask(&[5, 5], &[0, 0], 1, None, Faults::NONE), Mask::None));
+        assert!(matches!(mask(&[5, 5], &[0, 0], 3, None, Faults::NONE), Mask::Causal));
     }
 
     #[test]
     fn ragged_decode_rows_see_exactly_their_keys() {
         // Row 0 has 4 keys, row 1 has 2: row 1 must not see columns 2 and 3 (filler).
-        let m = bools(mask(&[4, 2], &[0, 0], 1, Faults::NONE));
+        let m = bools(mask(&[4, 2], &[0, 0], 1, None, Faults::NONE));
         assert_eq!(m, [true, true, true, true, true, true, false, false]);
-        let wide = bools(mask(&[4, 2], &[0, 0], 1, Faults::only(Fault::RaggedMaskWide)));
+        let wide = bools(mask(&[4, 2], &[0, 0], 1, None, Faults::only(Fault::RaggedMaskWide)));
         assert_eq!(wide, [true, true, true, true, true, true, true, false], "the fault reaches one key further");
     }
 
     #[test]
     fn left_pads_are_hidden_from_real_queries_only() {
         // One row, 2 masked pads then 2 real tokens, prefilled together (t = 4).
-        let m = bools(mask(&[4], &[2], 4, Faults::NONE));
+        let m = bools(mask(&[4], &[2], 4, None, Faults::NONE));
         #[rustfmt::skip]
         assert_eq!(m, [
             true, false, false, false, // pad 0: itself
@@ -147,7 +158,25 @@ mod tests {
             false, false, true, false, // real 0: itself, not the pads
             false, false, true, true,  // real 1
         ]);
-        let unmasked = mask(&[4], &[2], 4, Faults::only(Fault::PadUnmasked));
+        let unmasked = mask(&[4], &[2], 4, None, Faults::only(Fault::PadUnmasked));
         assert!(matches!(unmasked, Mask::Causal), "the fault leaves plain causality: real queries see the pads");
+    }
+
+    #[test]
+    fn a_window_hides_keys_older_than_it() {
+        // Two decode rows, 5 and 3 keys, window 3: row 0 sees columns 2..=4, row 1 all of its 3.
+        let m = bools(mask(&[5, 3], &[0, 0], 1, Some(3), Faults::NONE));
+        assert_eq!(m, [false, false, true, true, true, true, true, true, false, false]);
+        // A prefill of 4 with window 2: each query sees itself and the one before it.
+        let m = bools(mask(&[4], &[0], 4, Some(2), Faults::NONE));
+        #[rustfmt::skip]
+        assert_eq!(m, [
+            true, false, false, false,
+            true, true, false, false,
+            false, true, true, false,
+            false, false, true, true,
+        ]);
+        // A window at least as long as every row changes nothing.
+        assert!(matches!(mask(&[3, 3], &[0, 0], 1, Some(3), Faults::NONE), Mask::None));
     }
 }

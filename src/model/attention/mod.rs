@@ -15,8 +15,8 @@ mod rowwise;
 
 use mlx_rs::Array;
 
-use super::layers::{Linear, LoadOptions, RmsNorm, Stacked};
-use super::rope::Rope;
+use super::layers::{Linear, LoadOptions, NormGain, RmsNorm, Stacked};
+use super::rope::{Rope, Ropes};
 use crate::checkpoint::{ModelConfig, WeightStore};
 use crate::error::Result;
 use crate::faults::Faults;
@@ -61,6 +61,9 @@ pub struct Attention {
     kv_heads: i32,
     head_dim: i32,
     scale: f32,
+    /// Sliding-window layers see only the last `window` positions (the mask's, not the
+    /// cache's: every row stays stored) and rotate with the local RoPE.
+    window: Option<usize>,
 }
 
 /// What every layer of one step shares.
@@ -74,7 +77,7 @@ pub struct StepContext<'a> {
     /// Each row's RoPE offset: its first new KV row minus its masked prefix. Derived from the
     /// cache's counter on every step; there is no second copy to drift.
     pub offsets: Vec<i32>,
-    pub rope: &'a Rope,
+    pub ropes: &'a Ropes,
     pub faults: Faults,
     /// Batched mode's per-step state, built once for all layers.
     batch: Option<batched::Step>,
@@ -87,23 +90,41 @@ impl<'a> StepContext<'a> {
         starts: Vec<usize>,
         masked: Vec<usize>,
         tokens: usize,
-        rope: &'a Rope,
+        ropes: &'a Ropes,
         faults: Faults,
     ) -> Self {
         let offsets: Vec<i32> = starts.iter().zip(&masked).map(|(&s, &m)| s as i32 - m as i32).collect();
         let batch = (mode == AttentionMode::Batched).then(|| batched::Step::new(&offsets, tokens, faults));
-        StepContext { mode, seqs, starts, masked, offsets, rope, faults, batch }
+        StepContext { mode, seqs, starts, masked, offsets, ropes, faults, batch }
     }
 }
 
+/// What one layer's attention brings to the shared step.
+pub struct LayerView<'a> {
+    pub layer: usize,
+    pub rope: &'a Rope,
+    pub scale: f32,
+    pub window: Option<usize>,
+}
+
 impl Attention {
-    pub fn load(w: &mut WeightStore, c: &ModelConfig, path: &str, qk_norm: bool, opts: &LoadOptions) -> Result<Self> {
+    /// Layer `layer`'s attention; `qk_norm` says whether the family norms q and k per head (with
+    /// `gain`, as its other norms).
+    pub fn load(
+        w: &mut WeightStore,
+        c: &ModelConfig,
+        path: &str,
+        layer: usize,
+        qk_norm: bool,
+        gain: NormGain,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
         let q = c.quantization.as_ref();
         let (h, kvh, d) = (c.num_heads, c.num_kv_heads, c.head_dim);
         let bias = c.attention_bias;
         let norm = |w: &mut WeightStore, name: &str| -> Result<Option<RmsNorm>> {
             if qk_norm {
-                Ok(Some(RmsNorm::load(w, &format!("{path}.{name}"), d, c.rms_norm_eps, opts)?))
+                Ok(Some(RmsNorm::load(w, &format!("{path}.{name}"), d, c.rms_norm_eps, gain, opts)?))
             } else {
                 Ok(None)
             }
@@ -119,7 +140,8 @@ impl Attention {
             heads: h as i32,
             kv_heads: kvh as i32,
             head_dim: d as i32,
-            scale: (d as f32).powf(-0.5),
+            scale: c.query_pre_attn_scalar.unwrap_or(d as f32).powf(-0.5),
+            window: c.layer_window(layer),
         })
     }
 
@@ -142,9 +164,15 @@ impl Attention {
         let q = split(q, self.heads, &self.q_norm)?;
         let k = split(k, self.kv_heads, &self.k_norm)?;
         let v = split(v, self.kv_heads, &None)?;
+        let view = LayerView {
+            layer,
+            rope: ctx.ropes.for_layer(self.window.is_some()),
+            scale: self.scale,
+            window: self.window,
+        };
         let out = match &ctx.batch {
-            Some(step) => batched::attend(step, self.scale, q, k, v, layer, kv, ctx)?,
-            None => rowwise::attend(self.scale, q, k, v, layer, kv, ctx)?,
+            Some(step) => batched::attend(step, q, k, v, &view, kv, ctx)?,
+            None => rowwise::attend(q, k, v, &view, kv, ctx)?,
         }; // [B, H, T, D]
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, t, self.heads * self.head_dim])?;
         self.o_proj.forward(&out)

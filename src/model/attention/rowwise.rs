@@ -6,21 +6,21 @@ use mlx_rs::Array;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::ops::indexing::IndexOp;
 
-use super::StepContext;
+use super::{LayerView, StepContext};
 use crate::error::Result;
 use crate::faults::Fault;
 use crate::kv::KvCache;
 
 /// `q`: `[B, H, T, D]`, `k`/`v`: `[B, kv_heads, T, D]` -> `[B, H, T, D]`.
 pub fn attend(
-    scale: f32,
     q: Array,
     k: Array,
     v: Array,
-    layer: usize,
+    view: &LayerView,
     kv: &mut dyn KvCache,
     ctx: &StepContext,
 ) -> Result<Array> {
+    let (layer, scale) = (view.layer, view.scale);
     let (b, t) = (q.shape()[0], q.shape()[2]);
     // Every row writes before any row reads: a read between two writes would keep the first
     // write's version of the store alive, so the second write could not update it in place.
@@ -29,18 +29,20 @@ pub fn attend(
         let r = i as i32;
         // One row needs no slicing (B = 1 is the hot path of single-sequence decode).
         let row_of = |x: &Array| if b == 1 { x.clone() } else { x.index((r..r + 1, .., .., ..)) };
-        let qr = ctx.rope.apply(&row_of(&q), ctx.offsets[i])?;
-        let kr = ctx.rope.apply(&row_of(&k), ctx.offsets[i])?;
+        let qr = view.rope.apply(&row_of(&q), ctx.offsets[i])?;
+        let kr = view.rope.apply(&row_of(&k), ctx.offsets[i])?;
         kv.write(layer, seq, ctx.starts[i], &kr, &row_of(&v))?;
         queries.push(qr);
     }
     let mut outs = Vec::with_capacity(b as usize);
     for (i, (&seq, qr)) in ctx.seqs.iter().zip(&queries).enumerate() {
         let (keys, values) = kv.read(layer, seq)?;
-        let masked = ctx.masked[i];
-        // Only left-padded rows need an explicit mask; its width is the keys actually read.
-        let out = if masked > 0 && !ctx.faults.has(Fault::PadUnmasked) {
-            let mask = prefix_mask(ctx.starts[i], t as usize, keys.shape()[2] as usize, masked);
+        let masked = if ctx.faults.has(Fault::PadUnmasked) { 0 } else { ctx.masked[i] };
+        let n = keys.shape()[2] as usize;
+        // Only left-padded rows and windows shorter than the row need an explicit mask; its
+        // width is the keys actually read.
+        let out = if masked > 0 || view.window.is_some_and(|w| n > w) {
+            let mask = row_mask(ctx.starts[i], t as usize, n, masked, view.window);
             mlx_rs::fast::scaled_dot_product_attention(qr, &keys, &values, scale, &mask, None)?
         } else if t > 1 {
             // Causal, aligned to the bottom right: query j sits at row start + j.
@@ -54,15 +56,17 @@ pub fn attend(
     Ok(if outs.len() == 1 { outs.swap_remove(0) } else { mlx_rs::ops::concatenate(&outs, 0)? })
 }
 
-/// Causal mask `[T, L]` that also hides the first `masked` key rows from every real query.
-/// Pad queries (inside the masked prefix) attend causally among themselves so that their
-/// softmax is defined; their outputs are never used.
-fn prefix_mask(start: usize, t: usize, keys: usize, masked: usize) -> Array {
+/// Causal mask `[T, L]` that also hides the first `masked` key rows from every real query and,
+/// with a window, every key `window` or more rows before the query. Pad queries (inside the
+/// masked prefix) attend causally among themselves so that their softmax is defined; their
+/// outputs are never used.
+fn row_mask(start: usize, t: usize, keys: usize, masked: usize, window: Option<usize>) -> Array {
+    let win = window.unwrap_or(usize::MAX);
     let mut m = Vec::with_capacity(t * keys);
     for j in 0..t {
         let qpos = start + j;
         for kpos in 0..keys {
-            m.push(kpos <= qpos && (kpos >= masked || qpos < masked));
+            m.push(kpos <= qpos && qpos - kpos.min(qpos) < win && (kpos >= masked || qpos < masked));
         }
     }
     Array::from_slice(&m, &[t as i32, keys as i32])
