@@ -10,7 +10,15 @@ use common::{code, parity, text};
 #[test]
 fn windowed_paths_agree_on_every_scenario() {
     let json = common::scratch("gemma3").join("r.json");
-    let o = parity(&["run", "suites/gemma3.toml", "--no-snapshots", "--json", json.to_str().unwrap()]);
+    let o = parity(&[
+        "run",
+        "suites/gemma3.toml",
+        "--checkpoint",
+        "gemma3-tiny",
+        "--no-snapshots",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
     assert_eq!(code(&o), 0, "{}", text(&o));
     let report: parity::report::Report = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     // Prompts past the window: a path that ignored the window would still agree with a

@@ -67,3 +67,36 @@ fn fixtures_match_mlx_lm_references() {
         }
     }
 }
+
+/// Gemma 3 270M converted from its GGUF (`ci/gemma3`, which ./ci/test runs), float32, against
+/// mlx-lm's greedy tokens on the same files (`ci/gemma3_reference.py` wrote the file, where
+/// mlx-lm's own RotatingKVCache and a KVCache on every layer agreed): three short prompts and
+/// one of 802 tokens, past the 512-position window, so the sliding layers' windows move in
+/// prefill and in decode. Dense, and paged with blocks of 48 rows (which do not divide the
+/// window: windows begin and end inside blocks).
+#[test]
+fn gemma3_270m_matches_mlx_lm_reference_on_dense_and_paged() {
+    common::cpu();
+    let dir = std::env::var_os("PARITY_GEMMA3")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| common::repo().join(".deps/gemma3-270m-1.0.0/checkpoint"));
+    assert!(dir.join("model.safetensors").is_file(), "{} is missing: run ci/gemma3", dir.display());
+    let path = common::repo().join("fixtures/reference/gemma3-270m-f32-mlx-lm.json");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("gemma3 reference")).unwrap();
+    assert_eq!((v["dtype"].as_str(), v["window"].as_u64()), (Some("float32"), Some(512)));
+    let ids = |x: &Value| x.as_array().expect("ids").iter().map(|i| i.as_u64().expect("id") as u32).collect::<Vec<_>>();
+    let (model, tok) = common::load(&dir);
+    let cases = v["cases"].as_array().expect("cases");
+    assert!(cases.iter().any(|c| c["prompt_ids"].as_array().is_some_and(|p| p.len() > 512)));
+    for case in cases {
+        let (text, prompt, expected) = (case["text"].as_str().unwrap(), ids(&case["prompt_ids"]), ids(&case["greedy"]));
+        assert_eq!(tok.encode_raw(text).unwrap(), prompt, "prompt ids of {} tokens", prompt.len());
+        let mut dense = DenseCache::new(model.kv_shape());
+        let (_, trace) = generate(&model, &mut dense, &prompt, expected.len()).unwrap();
+        assert_eq!(trace.tokens, expected, "dense, prompt of {} tokens", prompt.len());
+        let opts = PoolOptions { block_size: 48, poison: true, ..PoolOptions::default() };
+        let mut paged = PagedBlockPool::new(model.kv_shape(), opts, Faults::NONE).unwrap();
+        let (_, trace) = generate(&model, &mut paged, &prompt, expected.len()).unwrap();
+        assert_eq!(trace.tokens, expected, "paged (block 48), prompt of {} tokens", prompt.len());
+    }
+}
