@@ -24,8 +24,9 @@ TEXT = b"One position counter per sequence; a trim either works or fails loudly.
 LENGTHS = [5, 17, 37]
 
 
-def greedy(model, ids, steps):
-    cache = make_prompt_cache(model)
+def greedy(model, ids, steps, cache=None):
+    """Greedy ids and the top-5 (id, logit) of each step; `cache`: the model's own by default."""
+    cache = make_prompt_cache(model) if cache is None else cache
     logits = model(mx.array([ids], dtype=mx.uint32), cache=cache)[:, -1, :]
     tokens, top5 = [], []
     for _ in range(steps):

@@ -18,9 +18,10 @@ import sys
 import mlx.core as mx
 import mlx_lm
 from mlx_lm import load
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 from bench_mlx_lm import cast_model
+from fixture_references import greedy
 
 STEPS = 16
 SHORT = ["The capital of France is", "def fibonacci(n):", "Paged KV caches keep each sequence's keys and values in"]
@@ -35,19 +36,6 @@ PARAGRAPH = (
 LONG = " ".join(f"Part {i}. {PARAGRAPH}" for i in range(1, 11))
 
 
-def greedy(model, ids, cache, steps):
-    logits = model(mx.array([ids], dtype=mx.uint32), cache=cache)[:, -1, :]
-    tokens, top5 = [], []
-    for _ in range(steps):
-        row = logits[0].astype(mx.float32)
-        order = mx.argsort(-row)[:5]
-        mx.eval(row, order)
-        top5.append([[int(i), float(row[int(i)].item())] for i in order.tolist()])
-        tokens.append(int(order[0].item()))
-        logits = model(mx.array([[tokens[-1]]], dtype=mx.uint32), cache=cache)[:, -1, :]
-    return tokens, top5
-
-
 def main():
     path, out = sys.argv[1], sys.argv[2]
     mx.set_default_device(mx.cpu)
@@ -56,8 +44,8 @@ def main():
     cases = []
     for text in SHORT + [LONG]:
         ids = tok.encode(text)
-        tokens, top5 = greedy(model, ids, make_prompt_cache(model), STEPS)
-        full, _ = greedy(model, ids, [KVCache() for _ in model.layers], STEPS)
+        tokens, top5 = greedy(model, ids, STEPS)
+        full, _ = greedy(model, ids, STEPS, [KVCache() for _ in model.layers])
         if full != tokens:
             sys.exit(f"{len(ids)}-token prompt: mlx-lm's caches give {tokens}, KVCache everywhere {full}")
         cases.append({"kind": "text", "text": text, "prompt_ids": ids, "greedy": tokens, "top5": top5,
