@@ -16,9 +16,13 @@ offers the same switch). The device follows PARITY_DEVICE (auto|cpu|gpu) as pari
 
 The paths (`--cache`):
 
-  kv         KVCache, one per sequence per layer (make_prompt_cache): the reference path. A
-             forward with B rows runs the rows one by one, each on its own cache (KVCache
-             batches only sequences of equal length, so one-by-one is the honest route).
+  kv         KVCache, one per sequence per layer: the reference path. A forward with B rows
+             runs the rows one by one, each on its own cache (KVCache batches only sequences
+             of equal length, so one-by-one is the honest route). A sliding-window model
+             (Gemma 3) keeps every row here and its mask applies the window.
+  model      the caches the model's make_cache builds (make_prompt_cache), one set per
+             sequence, rows one by one: for Gemma 3, RotatingKVCache(max_size=sliding_window)
+             on its sliding layers, KVCache on the global ones; for other models, KVCache.
   batch      BatchKVCache: every forward, B=1 included, is ONE model call on a BatchKVCache,
              composed the way mlx-lm's BatchGenerator composes its batches. The live batch is
              kept while the set of sequences in a forward is unchanged. When it changes:
@@ -337,13 +341,25 @@ class KVPath(PerSequencePath):
     name = "KVCache"
 
     def make_cache(self):
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        # On every layer, whatever the model's make_cache builds: a sliding-window model then
+        # keeps every row and its mask applies the window (create_attention_mask's
+        # window_size), the reference its windowed caches are compared with.
+        from mlx_lm.models.cache import KVCache
 
-        cache = make_prompt_cache(self.model)
-        kinds = sorted({type(c).__name__ for c in cache if not isinstance(c, KVCache)})
-        if kinds:
-            raise Unsupported(f"this model's make_cache builds {kinds}, not plain KVCache layers")
-        return cache
+        return [KVCache() for _ in self.model.layers]
+
+
+class ModelCachePath(PerSequencePath):
+    """The caches the model's own make_cache builds (make_prompt_cache), one set per sequence:
+    for Gemma 3, RotatingKVCache(max_size=sliding_window) on the sliding layers and KVCache on
+    the global ones, which is what mlx-lm's generate runs."""
+
+    name = "model"
+
+    def make_cache(self):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
 
 
 class QuantizedPath(PerSequencePath):
@@ -556,7 +572,7 @@ class BatchPath(PathBase):
         return total
 
 
-PATHS = {"kv": KVPath, "batch": BatchPath, "quantized": QuantizedPath, "rotating": RotatingPath}
+PATHS = {"kv": KVPath, "model": ModelCachePath, "batch": BatchPath, "quantized": QuantizedPath, "rotating": RotatingPath}
 
 
 # --- the engine, as the adapter kit serves it ----------------------------------------------

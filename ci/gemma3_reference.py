@@ -1,4 +1,4 @@
-"""mlx-lm's float32 greedy decode on the converted Gemma 3 270M (ci/gemma3): the reference
+"""mlx-lm's float32 greedy decode on the converted Gemma 3 270M (ci/gemma3-270m): the reference
 tests/reference.rs checks parity's gemma3 dense and paged paths against, as
 shared/reference/smollm2-*.json is for SmolLM2.
 

@@ -1,7 +1,7 @@
 """Convert a Gemma 3 GGUF (llama.cpp's layout) into the checkpoint parity and mlx-lm load: a
 Hugging Face config.json, model.safetensors (every weight dequantized to float32, exactly: a
 quantized block is d * q (+ m), which float32 holds) and tokenizer.json, with PROVENANCE.json
-saying what was done. Run by ci/gemma3 in its venv.
+saying what was done. Run by ci/gemma3-270m in its venv.
 
     python gguf_to_checkpoint.py MODEL.gguf OUT_DIR
 

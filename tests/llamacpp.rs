@@ -11,8 +11,7 @@ mod common;
 
 use std::process::Command;
 
-use common::{code, parity, text};
-use parity::report::Report;
+use common::text;
 use parity::vocab::{Status, Verdict};
 
 #[test]
@@ -30,23 +29,20 @@ fn the_adapter_reads_its_evidence_back_from_llama_cpp() {
 
 #[test]
 fn llama_cpp_paths_on_smollm2() {
-    let json = common::scratch("llamacpp").join("r.json");
-    let o = parity(&[
-        "run",
-        "suites/llamacpp.toml",
-        "--checkpoint",
-        "smollm2-135m-q4_1",
-        "--path",
-        "per-seq,streams,unified",
-        "--scenario",
-        "batch2,padded,prefix,concurrent",
-        "--no-snapshots",
-        "--json",
-        json.to_str().unwrap(),
-    ]);
+    let (code, text, report) = common::run_report(
+        "llamacpp",
+        &[
+            "suites/llamacpp.toml",
+            "--checkpoint",
+            "smollm2-135m-q4_1",
+            "--path",
+            "per-seq,streams,unified",
+            "--scenario",
+            "batch2,padded,prefix,concurrent",
+        ],
+    );
     // The unified buffer's and the padded prefill's rows fail: llama.cpp's result.
-    assert_eq!(code(&o), 1, "{}", text(&o));
-    let report: Report = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(code, 1, "{text}");
     let engine = report.checkpoints[0].engine.as_ref().expect("engine recorded");
     assert_eq!((engine.name.as_str(), engine.version.as_str()), ("llama.cpp", "llama-cpp-python 0.3.36"));
 

@@ -68,7 +68,7 @@ fn fixtures_match_mlx_lm_references() {
     }
 }
 
-/// Gemma 3 270M converted from its GGUF (`ci/gemma3`, which ./ci/test runs), float32, against
+/// Gemma 3 270M converted from its GGUF (`ci/gemma3-270m`, which ./ci/test runs), float32, against
 /// mlx-lm's greedy tokens on the same files (`ci/gemma3_reference.py` wrote the file, where
 /// mlx-lm's own RotatingKVCache and a KVCache on every layer agreed): three short prompts and
 /// one of 802 tokens, past the 512-position window, so the sliding layers' windows move in
@@ -80,7 +80,7 @@ fn gemma3_270m_matches_mlx_lm_reference_on_dense_and_paged() {
     let dir = std::env::var_os("PARITY_GEMMA3")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| common::repo().join(".deps/gemma3-270m-1.0.0/checkpoint"));
-    assert!(dir.join("model.safetensors").is_file(), "{} is missing: run ci/gemma3", dir.display());
+    assert!(dir.join("model.safetensors").is_file(), "{} is missing: run ci/gemma3-270m", dir.display());
     let path = common::repo().join("fixtures/reference/gemma3-270m-f32-mlx-lm.json");
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("gemma3 reference")).unwrap();
     assert_eq!((v["dtype"].as_str(), v["window"].as_u64()), (Some("float32"), Some(512)));

@@ -105,6 +105,18 @@ pub fn parity(args: &[&str]) -> std::process::Output {
     command().args(args).output().expect("run parity")
 }
 
+/// `parity run` with `args` and `--no-snapshots --json`, into a scratch file named after
+/// `scratch`: its exit code, its output and the report it wrote.
+pub fn run_report(scratch: &str, args: &[&str]) -> (i32, String, parity::report::Report) {
+    let json = self::scratch(scratch).join("r.json");
+    let o = command().arg("run").args(args).args(["--no-snapshots", "--json"]).arg(&json).output().expect("run parity");
+    let report = std::fs::read_to_string(&json)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_else(|| panic!("no report from parity run {args:?}: {}", text(&o)));
+    (code(&o), text(&o), report)
+}
+
 pub fn code(o: &std::process::Output) -> i32 {
     o.status.code().unwrap_or(-1)
 }
