@@ -234,11 +234,21 @@ class LlamaCpp(Engine):
             raise RequestError(f"{self.args.model}: llama.cpp could not load this GGUF")
         self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         n_layer = L.llama_model_n_layer(self.model)
-        head = L.llama_model_n_embd(self.model) // L.llama_model_n_head(self.model)
-        kv = L.llama_model_n_head_kv(self.model) * head
-        self.kv_row_bytes = n_layer * (row_size(self.args.type_k, kv) + row_size(self.args.type_v, kv))
+        heads = L.llama_model_n_head_kv(self.model)
+        k, v = (heads * self.head_dim(kind) for kind in ("key", "value"))
+        self.kv_row_bytes = n_layer * (row_size(self.args.type_k, k) + row_size(self.args.type_v, v))
         self.batch = L.llama_batch_init(self.ctx_per_seq * self.args.n_seq, 0, 1)
         self.reset()
+
+    def head_dim(self, kind):
+        """K's or V's head size: the GGUF's `<arch>.attention.{key,value}_length` where it says
+        (Gemma 3: 256, not hidden / heads = 160), else hidden / heads, as llama.cpp defaults it."""
+        buf = ctypes.create_string_buffer(64)
+        arch = L.llama_model_meta_val_str(self.model, b"general.architecture", buf, len(buf)) > 0 and buf.value
+        key = b"%s.attention.%s_length" % (arch or b"", kind.encode())
+        if arch and L.llama_model_meta_val_str(self.model, key, buf, len(buf)) > 0:
+            return int(buf.value)
+        return L.llama_model_n_embd(self.model) // L.llama_model_n_head(self.model)
 
     def describe(self):
         caps = capabilities(share_prefix=True, stats=True, kv_row_bytes=self.kv_row_bytes)
