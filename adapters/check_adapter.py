@@ -10,7 +10,7 @@ and drives hello/reset/create/forward/trim/release/share_prefix/stats/shutdown:
   (a) kv: prefill + greedy decode equals mlx-lm's own generate_step (greedy sampler), computed
       by this script's `reference` subcommand in the venv.
   (b) rotating equals kv bit for bit (window larger than the run), trims and share_prefix too.
-  (c) batch: two same-prompt rows, a ragged pair, a left-padded batched prefill
+  (c) batch and batch-model: two same-prompt rows, a ragged pair, a left-padded batched prefill
       (masked_prefix) and a per-row trim inside a batch, teacher-forced with kv's tokens;
       reported as exact or the largest difference (max |diff|, relative RMS).
   (d) on every path: trim then re-forward equals never having written the trimmed rows
@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TEXT = b"One position counter per sequence; a trim either works or fails loudly. " * 2
 PAD = 0
+BATCH_PATHS = ("batch", "batch-model")  # the adapter's batched paths (masked prefixes, one call a forward)
 
 # --- the protocol client ----------------------------------------------------------------------
 
@@ -210,7 +211,7 @@ def check_hello(rep, ad, path):
     caps = reply["capabilities"]
     rep.check(
         reply["protocol"] == 1 and reply["engine"]["name"] == "mlx-lm" and caps["stats"] is True
-        and caps["masked_prefix"] == (path == "batch") and caps["block_size"] is None,
+        and caps["masked_prefix"] == (path in BATCH_PATHS) and caps["block_size"] is None,
         f"{path}: hello",
         f"engine {reply['engine']}, dtype {reply['dtype']}, vocab {reply['vocab_size']}, {caps}",
     )
@@ -323,7 +324,7 @@ def check_share_prefix(rep, ad, label, prompt, ref, steps, rows_shared=None):
     return rows
 
 
-def check_batch(rep, ad, prompts, refs, steps):
+def check_batch(rep, ad, prompts, refs, steps, label="batch"):
     long, short = prompts[0], prompts[1]
     ref_long, ref_short = refs[0], refs[1]
 
@@ -336,7 +337,7 @@ def check_batch(rep, ad, prompts, refs, steps):
         for got, want in zip(r, ref_long[1][1:]):
             diff.add(got, want)
     rows_equal = rows[0] == rows[1]
-    rep.check(diff.argmax_agree == diff.rows and rows_equal, "(c) batch same-prompt pair (B=2 decode) vs kv",
+    rep.check(diff.argmax_agree == diff.rows and rows_equal, f"(c) {label} same-prompt pair (B=2 decode) vs kv",
               f"{diff}; row 0 == row 1: {rows_equal}")
 
     # ragged pair: long next to short
@@ -349,7 +350,7 @@ def check_batch(rep, ad, prompts, refs, steps):
         for got, want in zip(rows[k], ref[1][1:]):
             diffs[k].add(got, want)
     rep.check(all(d.argmax_agree == d.rows for d in diffs),
-              f"(c) batch ragged pair ({len(long)} + {len(short)}) vs kv", f"row 0: {diffs[0]}; row 1: {diffs[1]}")
+              f"(c) {label} ragged pair ({len(long)} + {len(short)}) vs kv", f"row 0: {diffs[0]}; row 1: {diffs[1]}")
 
     # left-padded batched prefill: the short prompt left-padded to the long one's length
     ad.call("reset", faults=[])
@@ -363,11 +364,11 @@ def check_batch(rep, ad, prompts, refs, steps):
         for got, want in zip([firsts[k]] + rows[k], ref[1]):
             diffs[k].add(got, want)
     rep.check(lengths == [len(long), len(long)] and all(d.argmax_agree == d.rows for d in diffs),
-              f"(c) batch left-padded prefill (masked_prefix {pad}) + B=2 decode vs kv",
+              f"(c) {label} left-padded prefill (masked_prefix {pad}) + B=2 decode vs kv",
               f"lengths {lengths}; row 0: {diffs[0]}; row 1 (padded): {diffs[1]}")
     stats = ad.call("stats")["stats"]
     rep.check(stats["sequences"] == 2 and stats["bytes_in_use"] >= stats["bytes_live"] > 0,
-              "batch stats after the left-padded pair", json.dumps(stats))
+              f"{label} stats after the left-padded pair", json.dumps(stats))
 
     # per-row trim inside a batch (extract route): both rows draft, each trimmed on its own
     ad.call("reset", faults=[])
@@ -385,11 +386,11 @@ def check_batch(rep, ad, prompts, refs, steps):
         for got, want in zip(rows[k] + more[k], ref[1][1:]):
             diffs[k].add(got, want)
     rep.check(ok_a and ok_b and all(d.argmax_agree == d.rows for d in diffs),
-              "(c)(d) batch: draft rows in a B=2 forward, trimmed per row, B=2 decode again vs kv",
+              f"(c)(d) {label}: draft rows in a B=2 forward, trimmed per row, B=2 decode again vs kv",
               f"trims {ra}, {rb}; row 0: {diffs[0]}; row 1: {diffs[1]}")
 
 
-def check_continuous(rep, ad, prompts, refs, steps, arrivals=(0, 0, 2, 3, 6), max_batch=3):
+def check_continuous(rep, ad, prompts, refs, steps, arrivals=(0, 0, 2, 3, 6), max_batch=3, label="batch"):
     """Continuous batching: requests arrive at decode steps, are prefilled alone, join the
     batched decode while there is room, leave (release) when done: every composition change
     is an extract/filter/merge/extend in the batch path."""
@@ -420,7 +421,7 @@ def check_continuous(rep, ad, prompts, refs, steps, arrivals=(0, 0, 2, 3, 6), ma
             diff.add(got, want)
     stats = ad.call("stats")["stats"]
     rep.check(diff.argmax_agree == diff.rows and stats["sequences"] == 0 and stats["bytes_in_use"] == 0,
-              f"(c) batch continuous batching (arrivals {list(arrivals)}, max batch {max_batch}) vs kv",
+              f"(c) {label} continuous batching (arrivals {list(arrivals)}, max batch {max_batch}) vs kv",
               f"{diff}; after all released: {stats['sequences']} sequences, {stats['bytes_in_use']} B")
 
 
@@ -431,14 +432,14 @@ def check_errors_and_release(rep, ad, label, prompt):
         ad.call("trim", seq=99, n=1, expect_ok=False),
         ad.call("forward", rows=[{"seq": seq, "tokens": [], "logits_at": 0}], expect_ok=False),
         ad.call("forward", rows=[{"seq": seq, "tokens": [10**9], "logits_at": 0}], expect_ok=False),
-        ad.call("trim", seq=seq, n=len(prompt) + 1, expect_ok=False) if label == "batch" else None,
+        ad.call("trim", seq=seq, n=len(prompt) + 1, expect_ok=False) if label in BATCH_PATHS else None,
         ad.call("frobnicate", expect_ok=False),
     ]
     raw = ad.send_line("this is not json")
     bad = [r for r in bad if r is not None]
     masked = ad.call("create", masked_prefix=3, expect_ok=False)
     errors_ok = all(not r["ok"] and r["error"] for r in bad) and not raw["ok"]
-    masked_ok = masked["ok"] if label == "batch" else (masked.get("unsupported") is True)
+    masked_ok = masked["ok"] if label in BATCH_PATHS else (masked.get("unsupported") is True)
     if masked["ok"]:
         ad.call("release", seq=masked["seq"])
     stats = ad.call("stats")["stats"]
@@ -519,7 +520,7 @@ def main():
     base = [os.path.join(ROOT, "ci", "mlx-lm"), os.path.join(HERE, "mlx_lm_adapter.py"), "--model", args.model]
     if args.dequantize:
         base.append("--dequantize")
-    extra = {"kv": [], "batch": [], "quantized": ["--group-size", str(args.group_size)], "rotating": ["--max-size", str(args.max_size)]}
+    extra = {"kv": [], "batch": [], "batch-model": [], "quantized": ["--group-size", str(args.group_size)], "rotating": ["--max-size", str(args.max_size)]}
     paths = args.paths.split(",")
     rep = Report()
     t0 = time.time()
@@ -542,9 +543,9 @@ def main():
         for path, ad in adapters.items():
             if path != "kv":
                 check_same_path_replay(rep, ad, path, prompts, refs, args.steps, expect_exact=path == "rotating")
-            if path == "batch":
-                check_batch(rep, ad, prompts, refs, args.steps)
-                check_continuous(rep, ad, prompts, refs, args.steps)
+            if path in BATCH_PATHS:
+                check_batch(rep, ad, prompts, refs, args.steps, label=path)
+                check_continuous(rep, ad, prompts, refs, args.steps, label=path)
             own = refs[0] if path in ("kv", "rotating") else clean_run(ad, prompts[0], args.steps, refs[0][0])
             check_rollback(rep, ad, path, prompts[0], own, args.steps)
             check_tile_padded(rep, ad, path, prompts[0], own, args.steps)

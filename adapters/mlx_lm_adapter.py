@@ -3,6 +3,7 @@ classes (mlx_lm/models/cache.py), served over the JSON-lines protocol in docs/st
 
     ci/mlx-lm adapters/mlx_lm_adapter.py --model DIR --cache kv [--dequantize]
     ci/mlx-lm adapters/mlx_lm_adapter.py --model DIR --cache batch
+    ci/mlx-lm adapters/mlx_lm_adapter.py --model DIR --cache batch-model
     ci/mlx-lm adapters/mlx_lm_adapter.py --model DIR --cache quantized [--bits 8 --group-size 64]
     ci/mlx-lm adapters/mlx_lm_adapter.py --model DIR --cache rotating --max-size 4096
 
@@ -23,23 +24,34 @@ The paths (`--cache`):
   model      the caches the model's make_cache builds (make_prompt_cache), one set per
              sequence, rows one by one: for Gemma 3, RotatingKVCache(max_size=sliding_window)
              on its sliding layers, KVCache on the global ones; for other models, KVCache.
-  batch      BatchKVCache: every forward, B=1 included, is ONE model call on a BatchKVCache,
-             composed the way mlx-lm's BatchGenerator composes its batches. The live batch is
-             kept while the set of sequences in a forward is unchanged. When it changes:
-             sequences that leave are `extract`ed into their own KVCache and `filter`ed out
-             (GenerationBatch.filter / BatchGenerator.remove), sequences that join are
-             `BatchKVCache.merge`d from their KVCaches (_merge_caches) and the live batch is
-             `extend`ed with them (GenerationBatch.extend). Rows keep the batch's order; logits
-             are returned in request order. A masked prefix (`create` with masked_prefix m) is
-             BatchKVCache left padding: a joining sequence that has not been written yet gets
-             `prepare(left_padding=[m])` on its empty batch, so its first m rows are masked and
-             RoPE positions start at -m. `extract` drops left padding, so a sequence outside
-             the live batch holds only its real rows; its reported length is m + real rows.
-             Trims: mlx-lm trims a BatchKVCache by the same n on every row, so a trim of a
-             sequence that is alone in the live batch goes through trim_prompt_cache on the
-             BatchKVCache; a trim of one row of a larger batch first `extract`s that row into
-             its own KVCache (mlx-lm's mechanism; no per-row BatchKVCache trim exists) and trims
-             that. share_prefix `extract`s (or deep-copies) the donor and trims the copy.
+  batch      BatchKVCache: every forward, B=1 included, is ONE model call on mlx-lm's batch
+             caches, composed the way its BatchGenerator composes its batches. A sequence
+             outside the live batch holds its own caches (here a KVCache per layer). The live
+             batch is kept while the set of sequences in a forward is unchanged. When it changes:
+             sequences that leave are `extract`ed into their own caches and `filter`ed out
+             (GenerationBatch.filter / BatchGenerator.remove), sequences that join are merged
+             from their own caches by _merge_caches (each cache class's `merge`: KVCache.merge is
+             BatchKVCache.merge) and the live batch is `extend`ed with them
+             (GenerationBatch.extend). Rows keep the batch's order; logits are returned in request
+             order. A masked prefix (`create` with masked_prefix m) is left padding: a joining
+             sequence that has not been written yet is merged from fresh caches (an empty batch
+             cache) and gets `prepare(left_padding=[m])`, so its first m rows are masked and RoPE
+             positions start at -m. `extract` drops left padding, so a sequence outside the live
+             batch holds only its real rows; its reported length is m + real rows. Trims: mlx-lm
+             trims a batch cache by the same n on every row, so a trim of a sequence that is alone
+             in the live batch goes through trim_prompt_cache on the batch caches (their own
+             is_trimmable and trim); a trim of one row of a larger batch first `extract`s that row
+             into its own caches (mlx-lm's mechanism; no per-row batch trim exists) and trims
+             those. share_prefix `extract`s (or deep-copies) the donor and trims the copy.
+  batch-model  the same composition on what BatchGenerator builds for the model: each
+             sequence's own caches are make_prompt_cache's (insert_segments), so _merge_caches
+             gives, for Gemma 3, BatchRotatingKVCache(max_size=sliding_window) on its sliding
+             layers (RotatingKVCache.merge) and BatchKVCache on the global ones, and `extract`
+             hands back a RotatingKVCache or a KVCache; for models without make_cache it is
+             `batch`. A trim any of them refuses (BatchRotatingKVCache.is_trimmable: the
+             batch's buffer writes, `_offset`, below the window; RotatingKVCache's: its offset
+             below it) is an error naming the class, as for `model`. What mlx-lm 0.32.2 does
+             on it (a masked key after the window wraps, refused trims): docs/results.md.
   quantized  QuantizedKVCache(group_size, bits), one per sequence per layer; mlx-lm's models
              then run quantized_scaled_dot_product_attention. Rows run one by one as for kv.
              A model whose head_dim is not a multiple of --group-size cannot use it (mx.quantize
@@ -49,7 +61,8 @@ The paths (`--cache`):
 
 Rules this adapter keeps (see the protocol): trims go through mlx-lm's trim_prompt_cache and
 report what it returned (`removed`) and the cache's resulting offset (`len`), never what was
-asked; a cache mlx-lm reports as not trimmable (can_trim_prompt_cache false) is an error.
+asked; a cache mlx-lm reports as not trimmable (can_trim_prompt_cache false) is an error
+naming the first layer's class that refused.
 share_prefix answers `mode: "copy"` (copy.deepcopy or extract, then mlx-lm's trim, as
 LRUPromptCache.fetch_nearest_cache does) and `unsupported` where mlx-lm cannot trim the copy.
 No cache surgery beyond mlx-lm's own methods. Logits are float32 little-endian base64, exact.
@@ -57,8 +70,8 @@ Stats: KV bytes from the caches' nbytes (allocated) and rows x bytes-per-row (li
 The bytes per row the layout promises (hello's kv_row_bytes) are computed from the model's
 shape and the cache's dtype or quantization, not measured, so parity can hold the measured
 bytes to them. Counters (in every stats reply, zeroed by reset): model calls and the most rows
-one of them computed (kv, quantized and rotating run a forward's rows one call each), tokens
-computed, rows trimmed (what trim_prompt_cache returned), rows copied by share_prefix.
+one of them computed (kv, model, quantized and rotating run a forward's rows one call each),
+tokens computed, rows trimmed (what trim_prompt_cache returned), rows copied by share_prefix.
 """
 
 import argparse
@@ -147,6 +160,11 @@ def row_bytes(cache):
     return cache.nbytes / rows if rows else 0.0
 
 
+def untrimmable(cache):
+    """The class name of the first cache in a list that mlx-lm says cannot be trimmed."""
+    return next((type(c).__name__ for c in cache if not c.is_trimmable()), type(cache[0]).__name__)
+
+
 def one_offset(values, what):
     """The single offset every layer agrees on; layers that disagree are an error."""
     distinct = sorted(set(values))
@@ -157,7 +175,7 @@ def one_offset(values, what):
 
 class Seq:
     """One protocol sequence. `cache` is its own per-layer cache list (None while it has none of
-    its own, e.g. empty or living in the batch path's BatchKVCache). `masked` is its masked
+    its own, e.g. empty or living in a batch path's live batch). `masked` is its masked
     prefix; `written` becomes true at the first forward."""
 
     def __init__(self, masked=0, cache=None, written=False):
@@ -241,9 +259,26 @@ class PathBase:
         if not can_trim_prompt_cache(cache):
             raise RequestError(
                 f"{what}: mlx-lm cannot trim this cache (can_trim_prompt_cache is false: "
-                f"{type(cache[0]).__name__}.is_trimmable() returned False)"
+                f"{untrimmable(cache)}.is_trimmable() returned False)"
             )
         return trim_prompt_cache(cache, n)
+
+    def cut_copy(self, cache, have, rows):
+        """Cut a copy of a donor's caches (`have` rows) to its first `rows` with mlx-lm's
+        trim_prompt_cache, as LRUPromptCache.fetch_nearest_cache does; a copy mlx-lm cannot
+        trim cannot be cut: unsupported."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        if cache is None or rows == have:
+            return
+        if not can_trim_prompt_cache(cache):
+            raise Unsupported(
+                f"{untrimmable(cache)} cannot be trimmed here (is_trimmable() is false), "
+                "so a copy of the donor cannot be cut to the shared prefix"
+            )
+        removed = trim_prompt_cache(cache, have - rows)
+        if removed != have - rows:
+            raise RequestError(f"share_prefix: mlx-lm's trim of the copy removed {removed} of {have - rows} rows")
 
     def note_peak(self):
         self.peak = max(self.peak, self.bytes_in_use())
@@ -309,19 +344,7 @@ class PerSequencePath(PathBase):
         if not isinstance(rows, int) or not 0 <= rows <= have:
             raise RequestError(f"sequence {donor_id} has {have} rows, cannot share {rows!r}")
         cache = copy.deepcopy(donor.cache) if donor.cache is not None else None
-        if cache is not None and rows < have:
-            from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
-
-            if not can_trim_prompt_cache(cache):
-                raise Unsupported(
-                    f"{type(cache[0]).__name__} cannot be trimmed here (is_trimmable() is false), "
-                    "so a copy of the donor cannot be cut to the shared prefix"
-                )
-            removed = trim_prompt_cache(cache, have - rows)
-            if removed != have - rows:
-                raise RequestError(
-                    f"share_prefix: mlx-lm's trim of the copy removed {removed} of {have - rows} rows"
-                )
+        self.cut_copy(cache, have, rows)
         new_id = self.add(Seq(cache=cache, written=donor.written))
         self.counts["rows_copied"] += rows
         self.note_peak()
@@ -337,29 +360,36 @@ class PerSequencePath(PathBase):
         return sum(c.offset * row_bytes(c) for cache in self.caches() for c in cache)
 
 
-class KVPath(PerSequencePath):
-    name = "KVCache"
+class KVCaches:
+    """A sequence's caches: KVCache on every layer, whatever the model's make_cache builds. A
+    sliding-window model then keeps every row and its mask applies the window
+    (create_attention_mask's window_size): the reference its windowed caches are compared with."""
 
     def make_cache(self):
-        # On every layer, whatever the model's make_cache builds: a sliding-window model then
-        # keeps every row and its mask applies the window (create_attention_mask's
-        # window_size), the reference its windowed caches are compared with.
         from mlx_lm.models.cache import KVCache
 
         return [KVCache() for _ in self.model.layers]
 
 
-class ModelCachePath(PerSequencePath):
-    """The caches the model's own make_cache builds (make_prompt_cache), one set per sequence:
-    for Gemma 3, RotatingKVCache(max_size=sliding_window) on the sliding layers and KVCache on
-    the global ones, which is what mlx-lm's generate runs."""
-
-    name = "model"
+class ModelCaches:
+    """A sequence's caches as mlx-lm builds them for the model (make_prompt_cache, which defers to
+    the model's make_cache): for Gemma 3, RotatingKVCache(max_size=sliding_window) on the sliding
+    layers and KVCache on the global ones; for models without make_cache, KVCache."""
 
     def make_cache(self):
         from mlx_lm.models.cache import make_prompt_cache
 
         return make_prompt_cache(self.model)
+
+
+class KVPath(KVCaches, PerSequencePath):
+    name = "KVCache"
+
+
+class ModelCachePath(ModelCaches, PerSequencePath):
+    """One set of the model's caches per sequence: what mlx-lm's generate runs."""
+
+    name = "model"
 
 
 class QuantizedPath(PerSequencePath):
@@ -401,15 +431,19 @@ class RotatingPath(PerSequencePath):
         return [RotatingKVCache(max_size=self.args.max_size, keep=4) for _ in self.model.layers]
 
 
-class BatchPath(PathBase):
-    """BatchKVCache composed like mlx-lm's BatchGenerator (see the module docstring)."""
+class BatchPath(KVCaches, PathBase):
+    """mlx-lm's batch caches composed like its BatchGenerator (see the module docstring). A
+    sequence outside the live batch holds its own caches (make_cache's); _merge_caches turns
+    them into the batch classes (each cache class's merge: KVCache.merge is BatchKVCache.merge,
+    RotatingKVCache.merge is BatchRotatingKVCache.merge) and each batch cache's extract turns a
+    row back into one of its own. Here: BatchKVCache on every layer."""
 
     name = "BatchKVCache"
     masked_prefix = True
 
     def reset(self):
         super().reset()
-        self.batch = None  # one BatchKVCache per layer, or None
+        self.batch = None  # one batch cache per layer (_merge_caches'), or None
         self.batch_ids = []  # sequence id of each batch row
 
     # -- composition --
@@ -446,19 +480,19 @@ class BatchPath(PathBase):
             c.filter(keep)
 
     def joining_batches(self, joining):
-        """BatchKVCaches for sequences joining the live batch: those with rows (or no masked
-        prefix) merged in one group as _merge_caches does; not-yet-written sequences with a
-        masked prefix in a second, empty group given their left padding via prepare()."""
-        from mlx_lm.models.cache import BatchKVCache, KVCache
+        """Batch caches for sequences joining the live batch, merged from their own caches by
+        mlx-lm's _merge_caches (PromptProcessingBatch's): those with rows (or no masked prefix)
+        in one group; not-yet-written sequences with a masked prefix in a second group, merged
+        from fresh caches (empty batch caches) and given their left padding via prepare()."""
+        from mlx_lm.generate import _merge_caches
 
         plain = [i for i in joining if self.seqs[i].written or not self.seqs[i].masked]
         padded = [i for i in joining if i not in plain]
         groups = []
         if plain:
-            caches = [self.seqs[i].cache or [KVCache() for _ in self.model.layers] for i in plain]
-            groups.append((plain, [BatchKVCache.merge(list(layer)) for layer in zip(*caches)]))
+            groups.append((plain, _merge_caches([self.seqs[i].cache or self.make_cache() for i in plain])))
         if padded:
-            batch = [BatchKVCache([0] * len(padded)) for _ in self.model.layers]
+            batch = _merge_caches([self.make_cache() for _ in padded])
             for c in batch:
                 c.prepare(left_padding=[self.seqs[i].masked for i in padded])
             groups.append((padded, batch))
@@ -514,7 +548,7 @@ class BatchPath(PathBase):
             )
         what = f"sequence {seq_id}"
         if self.batch_ids == [seq_id]:
-            removed = self.trim_caches(self.batch, n, what)  # BatchKVCache.trim
+            removed = self.trim_caches(self.batch, n, what)  # the batch caches' own trim
         else:
             self.drop_rows([seq_id] if seq_id in self.batch_ids else [], keep_caches=True)
             removed = self.trim_caches(seq.cache, n, what) if seq.cache is not None else 0
@@ -527,8 +561,6 @@ class BatchPath(PathBase):
         del self.seqs[seq_id]
 
     def share_prefix(self, donor_id, rows):
-        from mlx_lm.models.cache import trim_prompt_cache
-
         donor = self.seq(donor_id)
         have = self.length(donor_id)
         masked = donor.masked if donor.written else 0
@@ -537,19 +569,14 @@ class BatchPath(PathBase):
         if rows < masked:
             raise Unsupported(
                 f"the shared prefix ({rows} rows) ends inside sequence {donor_id}'s masked prefix "
-                f"of {masked}; BatchKVCache.extract keeps only real rows"
+                f"of {masked}; the batch caches' extract keeps only real rows"
             )
         if donor_id in self.batch_ids:
             row = self.batch_ids.index(donor_id)
             cache = [c.extract(row) for c in self.batch]
         else:
             cache = copy.deepcopy(donor.cache)
-        if cache is not None and rows < have:
-            removed = trim_prompt_cache(cache, have - rows)
-            if removed != have - rows:
-                raise RequestError(
-                    f"share_prefix: mlx-lm's trim of the copy removed {removed} of {have - rows} rows"
-                )
+        self.cut_copy(cache, have, rows)
         new_id = self.add(Seq(masked=masked, cache=cache, written=donor.written))
         self.counts["rows_copied"] += rows
         self.note_peak()
@@ -572,7 +599,22 @@ class BatchPath(PathBase):
         return total
 
 
-PATHS = {"kv": KVPath, "model": ModelCachePath, "batch": BatchPath, "quantized": QuantizedPath, "rotating": RotatingPath}
+class BatchModelPath(ModelCaches, BatchPath):
+    """What mlx-lm's BatchGenerator builds for the model: make_prompt_cache per sequence
+    (insert_segments), merged by _merge_caches: for Gemma 3, BatchRotatingKVCache(max_size=
+    sliding_window) on the sliding layers and BatchKVCache on the global ones."""
+
+    name = "batch-model"
+
+
+PATHS = {
+    "kv": KVPath,
+    "model": ModelCachePath,
+    "batch": BatchPath,
+    "batch-model": BatchModelPath,
+    "quantized": QuantizedPath,
+    "rotating": RotatingPath,
+}
 
 
 # --- the engine, as the adapter kit serves it ----------------------------------------------

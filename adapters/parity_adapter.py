@@ -54,6 +54,7 @@ COUNTERS = (
     "cow_copies",
     "rows_trimmed",
     "blocks_freed",
+    "window_blocks_released",
     "rows_shared",
     "rows_copied",
 )

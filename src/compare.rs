@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::array::host_f32;
 use crate::dtype::DtypeName;
 use crate::error::{Error, Result};
-use crate::vocab::{LogprobTrace, PathTrace, Trace, Verdict};
+use crate::vocab::{LogprobTrace, PathTrace, PositionSample, Trace, Verdict};
 
 /// Per-step logit metrics, path `a` against reference `r` on the same vocabulary row.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -115,6 +115,58 @@ pub fn step_metrics(reference: &[Array], path: &[Array]) -> Result<Vec<StepMetri
     let kl = lr.exp()?.multiply(&lr.subtract(&la)?)?.sum_axis(-1, false)?;
     let (rel, max_abs, kl) = (host_f32(&rel)?, host_f32(&max_abs)?, host_f32(&kl)?);
     Ok((0..s).map(|i| StepMetrics { rel_rms: rel[i], max_abs: max_abs[i], kl: kl[i].max(0.0) }).collect())
+}
+
+/// How many top tokens a corpus position's overlap compares.
+pub const CORPUS_TOP_K: usize = 10;
+
+/// A corpus read teacher-forced: positions `first..first + n`, the reference's and the path's
+/// logits rows after each token (`[V]` each), and the text's next token after each. One
+/// reduction on the device per metric over all rows; the host gets a few numbers per position
+/// (and the top-k ids for the overlap).
+pub fn position_samples(
+    reference: &[Array],
+    path: &[Array],
+    next: &[u32],
+    first: usize,
+) -> Result<Vec<PositionSample>> {
+    let n = reference.len().min(path.len()).min(next.len());
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let f32t = mlx_rs::Dtype::Float32;
+    let r = mlx_rs::ops::stack(&reference[..n], 0)?.as_dtype(f32t)?;
+    let a = mlx_rs::ops::stack(&path[..n], 0)?.as_dtype(f32t)?;
+    let (lr, la) = (log_softmax(&r)?, log_softmax(&a)?);
+    let kl = lr.exp()?.multiply(&lr.subtract(&la)?)?.sum_axis(-1, false)?;
+    let targets = Array::from_slice(&next[..n].iter().map(|&t| t as i32).collect::<Vec<_>>(), &[n as i32, 1]);
+    let p = |l: &Array| -> Result<Vec<f32>> { host_f32(&l.take_along_axis(&targets, -1)?.exp()?) };
+    let (p_reference, p_path) = (p(&lr)?, p(&la)?);
+    let top = |x: &Array| -> Result<Vec<u32>> {
+        let k = CORPUS_TOP_K.min(x.shape()[1] as usize) as i32;
+        use mlx_rs::ops::indexing::IndexOp;
+        let idx = mlx_rs::ops::argsort_axis(&x.negative()?, -1)?.index((.., 0..k)).as_dtype(mlx_rs::Dtype::Uint32)?;
+        let idx = idx.contiguous()?;
+        idx.eval()?;
+        Ok(idx.as_slice::<u32>().to_vec())
+    };
+    let (top_r, top_a) = (top(&r)?, top(&a)?);
+    let k = top_r.len() / n;
+    let kl = host_f32(&kl)?;
+    Ok((0..n)
+        .map(|i| {
+            let (tr, ta) = (&top_r[i * k..(i + 1) * k], &top_a[i * k..(i + 1) * k]);
+            let shared = tr.iter().filter(|t| ta.contains(t)).count();
+            PositionSample {
+                position: first + i,
+                kl: kl[i].max(0.0),
+                p_reference: p_reference[i],
+                p_path: p_path[i],
+                top1: tr[0] == ta[0],
+                topk_overlap: shared as f32 / k as f32,
+            }
+        })
+        .collect())
 }
 
 fn log_softmax(x: &Array) -> Result<Array> {

@@ -32,6 +32,10 @@ pub enum Fault {
     /// The batched attention mask is one key too wide for a row shorter than the batch's
     /// longest: it sees the filler column just past its end.
     RaggedMaskWide,
+    /// A paged sliding-window layer releases one block too soon: the block whose last row is
+    /// the oldest one the current query's window still sees, so that query attends one key
+    /// fewer than its window holds.
+    WindowReleaseEarly,
 }
 
 pub const ALL: &[Fault] = &[
@@ -45,6 +49,7 @@ pub const ALL: &[Fault] = &[
     Fault::CowSkipped,
     Fault::BlockLeak,
     Fault::RaggedMaskWide,
+    Fault::WindowReleaseEarly,
 ];
 
 impl Fault {
@@ -60,6 +65,7 @@ impl Fault {
             Fault::CowSkipped => "cow-skipped",
             Fault::BlockLeak => "block-leak",
             Fault::RaggedMaskWide => "ragged-mask-wide",
+            Fault::WindowReleaseEarly => "window-release-early",
         }
     }
 

@@ -45,11 +45,11 @@ fn snapshots_are_written_for_review_then_stable_once_accepted() {
     assert_eq!(code(&o), 2, "an --only that names nothing pending is an error: {}", text(&o));
     assert!(text(&o).contains("no pending snapshot of that name"), "{}", text(&o));
     assert_eq!(code(&parity(&["accept", dir.to_str().unwrap()])), 0);
-    assert_eq!(snapshots(&dir).len(), 7, "4 scenario snapshots and each checkpoint's prompts");
+    assert_eq!(snapshots(&dir).len(), 10, "6 scenario snapshots and each checkpoint's prompts");
     assert_eq!(code(&parity(&args)), 1, "the rejected one is new again");
     assert_eq!(code(&parity(&["accept", dir.to_str().unwrap(), "--only", "llama-tiny__single.snap"])), 0);
     let accepted = snapshots(&dir);
-    assert_eq!(accepted.len(), 8, "3 checkpoints x 2 scenarios, but the 8-bit one runs no rollback; 3 prompts");
+    assert_eq!(accepted.len(), 11, "4 checkpoints x 2 scenarios, but the 8-bit one runs no rollback; 4 prompts");
     // A second run is byte-identical: exit 0, nothing new written.
     let o = parity(&args);
     assert_eq!(code(&o), 0, "{}", text(&o));

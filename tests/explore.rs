@@ -50,12 +50,18 @@ fn every_planted_fault_is_found_and_shrunk_and_clean_paths_pass() {
     assert_eq!(clean.summary.failed, 0, "{:#?}", clean.rows);
     assert!(clean.rows.iter().all(|r| r.notes.iter().any(|n| n.contains("no failure"))), "{:#?}", clean.rows);
     for &fault in faults::ALL {
-        let r = explore("fixtures.toml", "llama-tiny/", 1, 100, Faults::only(fault));
+        // A window fault needs a sliding window: the windowed fixture (Llama has none).
+        let on = if fault == Fault::WindowReleaseEarly { "gemma3-tiny/" } else { "llama-tiny/" };
+        let r = explore("fixtures.toml", on, 1, 100, Faults::only(fault));
         let found: Vec<&Row> = r.rows.iter().filter(|r| !r.pass).collect();
         assert!(!found.is_empty(), "{} not found: {:#?}", fault.name(), r.rows);
+        // A window fault needs a sequence past its window of 10 whose query's window starts
+        // at a block's last row; the shrinker removes operations but does not merge decode
+        // steps into one prefill, so its reproducers keep the steps that got there.
+        let most = if fault == Fault::WindowReleaseEarly { 12 } else { 7 };
         for row in found {
             let ops = reproducer(row).split("; ").count();
-            assert!(ops <= 7, "{}: {} shrunk to {ops} operations: {}", fault.name(), row.id(), reproducer(row));
+            assert!(ops <= most, "{}: {} shrunk to {ops} operations: {}", fault.name(), row.id(), reproducer(row));
         }
     }
 }

@@ -57,8 +57,9 @@ impl<'m> Builtin<'m> {
     pub fn kv(&self, faults: Faults) -> Result<Box<dyn KvCache>> {
         Ok(match self.path.backend {
             Backend::Dense => Box::new(DenseCache::new(self.model.kv_shape())),
-            Backend::Paged => Box::new(PagedBlockPool::new(
+            Backend::Paged => Box::new(PagedBlockPool::windowed(
                 self.model.kv_shape(),
+                &self.model.layer_windows(),
                 PoolOptions {
                     block_size: self.settings.block_size,
                     max_blocks: self.settings.pool_blocks,

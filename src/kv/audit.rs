@@ -11,6 +11,10 @@
 //! - a block with refcount 0 is on the free list: otherwise it is lost to the pool.
 //!
 //! With no live sequence, the first two mean zero blocks in use.
+//!
+//! A sliding-window group of layers adds one rule ([`Window`]): a sequence still holds every
+//! block its next query can see. Blocks it released out of the window are free (evictable)
+//! like any other; a block released while a query could still see it is a hole in the window.
 
 use std::collections::BTreeMap;
 
@@ -77,6 +81,39 @@ pub fn audit<'a>(
         problems.push(format!("{} neither free nor in use (lost to the pool)", blocks(&lost)));
     }
     if problems.is_empty() { Ok(()) } else { Err(Error::Books(problems.join("; "))) }
+}
+
+/// The window rule's books: each live sequence's length and the index of its oldest held
+/// block in a group of layers that see the last `size` positions.
+pub struct Window {
+    pub size: usize,
+    pub block_size: usize,
+    /// `(sequence, length, first held block)`.
+    pub seqs: Vec<(SeqId, usize, usize)>,
+}
+
+impl Window {
+    pub fn audit(&self) -> Result<()> {
+        let bs = self.block_size.max(1);
+        let holes: Vec<String> = self
+            .seqs
+            .iter()
+            .filter_map(|&(seq, len, first)| {
+                // The next query sits at position `len` and sees `len + 1 - size..=len`.
+                let reach = (len + 1).saturating_sub(self.size);
+                (first > reach / bs).then(|| {
+                    format!(
+                        "sequence {} (length {len}) released rows {}..{} while its window of {} still sees them",
+                        seq.0,
+                        reach / bs * bs,
+                        first * bs,
+                        self.size
+                    )
+                })
+            })
+            .collect();
+        if holes.is_empty() { Ok(()) } else { Err(Error::Books(holes.join("; "))) }
+    }
 }
 
 /// `block 3 is` / `blocks 3, 4, 9 are`, at most 16 ids listed.
@@ -190,6 +227,20 @@ mod tests {
         let e = p.audit().expect_err("leak").to_string();
         assert!(e.contains("blocks 0, 1 are in use but held by no live sequence (leaked"), "{e}");
         assert!(!e.contains("block 2"), "the live sequence's block is fine: {e}");
+    }
+
+    /// A window table that let go of a block its next query still sees: a hole in the window,
+    /// named with the rows it lost. Blocks wholly older than the window are fine to release.
+    #[test]
+    fn a_window_that_lost_a_block_its_next_query_sees_is_a_hole() {
+        let w = |len, first| Window { size: 10, block_size: 4, seqs: vec![(SeqId(3), len, first)] }.audit();
+        // Length 20: the next query (position 20) sees 11..=20, so blocks 0 and 1 may go.
+        w(20, 2).unwrap();
+        w(20, 0).unwrap();
+        let e = w(20, 3).expect_err("block 2 holds rows 11..12").to_string();
+        assert!(e.contains("sequence 3 (length 20) released rows 8..12 while its window of 10 still sees them"), "{e}");
+        // Shorter than the window: nothing may be released.
+        assert!(w(9, 1).is_err());
     }
 
     #[test]

@@ -156,9 +156,10 @@ impl KvCache for DenseCache {
         self.store.write_span(layer, base + start, k, v)
     }
 
-    fn read(&self, layer: usize, seq: SeqId) -> Result<(Array, Array)> {
+    fn read(&self, layer: usize, seq: SeqId) -> Result<BatchKv> {
         let (base, len) = self.base(seq)?;
-        self.store.span(layer, base, len)
+        let (keys, values) = self.store.span(layer, base, len)?;
+        Ok(BatchKv { keys, values, visible: vec![len], first: vec![0] })
     }
 
     fn write_batch(&mut self, layer: usize, seqs: &[SeqId], starts: &[usize], k: &Array, v: &Array) -> Result<()> {
@@ -204,7 +205,8 @@ impl KvCache for DenseCache {
             })?;
             self.store.gather(layer, &index, b, w)?
         };
-        Ok(BatchKv { keys, values, visible })
+        let first = vec![0; visible.len()];
+        Ok(BatchKv { keys, values, visible, first })
     }
 
     fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize> {

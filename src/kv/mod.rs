@@ -67,6 +67,29 @@ pub struct KvStats {
     pub blocks_in_use: usize,
     pub peak_blocks_in_use: usize,
     pub blocks_reserved: usize,
+    /// Pools whose blocks store only some layers (sliding-window layers keep blocks of their
+    /// own): the model's layers, and rows and blocks counted once per layer they store, so a
+    /// row's measured cost is per layer-row. Zero: every block stores every layer.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub layers: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub layer_rows_live: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub layer_blocks_in_use: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub peak_layer_blocks: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl KvStats {
+    /// Blocks in use as blocks of every layer (`None` where every block stores every layer):
+    /// a pool whose window layers released old blocks holds a fraction of a block for them.
+    pub fn full_blocks_in_use(&self) -> Option<f64> {
+        (self.layers > 0).then(|| self.layer_blocks_in_use as f64 / self.layers as f64)
+    }
 }
 
 /// What an engine counts about its own work since its KV store was created (a session: a
@@ -98,6 +121,10 @@ pub struct Counters {
     pub rows_trimmed: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub blocks_freed: Option<u64>,
+    /// Paged, sliding-window layers: blocks released because they had left the window of
+    /// every query still to come.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window_blocks_released: Option<u64>,
     /// Prefix rows a new sequence got from a donor: the same storage, or copied.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rows_shared: Option<u64>,
@@ -123,6 +150,7 @@ impl Counters {
             cow_copies: self.cow_copies.or(other.cow_copies),
             rows_trimmed: self.rows_trimmed.or(other.rows_trimmed),
             blocks_freed: self.blocks_freed.or(other.blocks_freed),
+            window_blocks_released: self.window_blocks_released.or(other.window_blocks_released),
             rows_shared: self.rows_shared.or(other.rows_shared),
             rows_copied: self.rows_copied.or(other.rows_copied),
         }
@@ -149,8 +177,9 @@ pub trait KvCache {
     /// Write K/V (`[1, n_kv_heads, n, head_dim]`) for rows `start..start + n` of one layer.
     fn write(&mut self, layer: usize, seq: SeqId, start: usize, k: &Array, v: &Array) -> Result<()>;
 
-    /// The visible K/V of one layer, contiguous: `[1, n_kv_heads, len, head_dim]` each.
-    fn read(&self, layer: usize, seq: SeqId) -> Result<(Array, Array)>;
+    /// The visible K/V of one layer, contiguous: `[1, n_kv_heads, n, head_dim]` each, as a
+    /// batch of one ([`BatchKv`]: a window layer may show only its newest rows).
+    fn read(&self, layer: usize, seq: SeqId) -> Result<BatchKv>;
 
     /// Write K/V (`[B, n_kv_heads, T, head_dim]`) of one layer for a batch in one operation:
     /// row b goes to rows `starts[b]..starts[b] + T` of `seqs[b]` (reserved beforehand).
@@ -208,6 +237,10 @@ pub struct BatchKv {
     pub values: Array,
     /// Rows of each sequence the backend shows; attention masks everything past them.
     pub visible: Vec<usize>,
+    /// The position of each sequence's first column: 0, unless a sliding-window layer's
+    /// blocks older than its window were released. Column c of row b is position
+    /// `first[b] + c`; masks compare positions, never columns.
+    pub first: Vec<usize>,
 }
 
 /// Shape check for [`KvCache::write_batch`]: K/V `[B, H, T, D]` with one start per sequence.

@@ -165,6 +165,12 @@ impl Model {
         })
     }
 
+    /// Each layer's sliding window (`None`: global attention), for a KV store that keeps only
+    /// what each layer can see.
+    pub fn layer_windows(&self) -> Vec<Option<usize>> {
+        (0..self.config.num_layers).map(|l| self.config.layer_window(l)).collect()
+    }
+
     pub fn kv_shape(&self) -> KvShape {
         KvShape {
             layers: self.config.num_layers,

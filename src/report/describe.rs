@@ -6,7 +6,7 @@ use std::fmt::Write;
 
 use super::{CheckpointReport, DivergenceReport, Row};
 use crate::compare::TOP_K;
-use crate::vocab::{Status, Verdict};
+use crate::vocab::{Distribution, Status, Verdict};
 
 const VERDICTS: [Verdict; 6] =
     [Verdict::Identical, Verdict::NearTie, Verdict::Vacuous, Verdict::Diverged, Verdict::Error, Verdict::Skipped];
@@ -132,11 +132,23 @@ pub fn details(row: &Row, checkpoint: Option<&CheckpointReport>) -> Vec<(&'stati
             out.push(("worst step", format!("step {step}: rel RMS {v:.3e} (tokens identical)")));
         }
     }
-    match &row.api {
-        Some(api) if row.verdict != Verdict::Error => out.push(("logprobs", api_line(api, checkpoint))),
-        Some(_) => {}
-        None if row.verdict != Verdict::Error => out.push(("rel RMS", rms(row))),
-        None => {}
+    match (&row.api, &row.distribution) {
+        (_, Some(d)) => {
+            out.push(("distribution", distribution_line(d)));
+            let bounds: Vec<String> = row
+                .bounds
+                .iter()
+                .map(|b| {
+                    let mark = if b.held { "held" } else { "BROKEN" };
+                    format!("{} {:.4} {} {} ({mark})", b.name, b.measured, b.relation, b.limit)
+                })
+                .collect();
+            out.push(("bounds", bounds.join("; ")));
+        }
+        (Some(api), _) if row.verdict != Verdict::Error => out.push(("logprobs", api_line(api, checkpoint))),
+        (Some(_), _) => {}
+        (None, _) if row.verdict != Verdict::Error => out.push(("rel RMS", rms(row))),
+        (None, _) => {}
     }
     if let (Some(r), Some(t)) = (&row.reference_text, &row.text) {
         // Equal text under equal tokens says nothing the verdict did not; equal text under
@@ -149,6 +161,77 @@ pub fn details(row: &Row, checkpoint: Option<&CheckpointReport>) -> Vec<(&'stati
     }
     if !row.notes.is_empty() {
         out.push(("notes", row.notes.join("\n")));
+    }
+    out
+}
+
+/// `KL mean 5.3e-4, p99 2.1e-3, max 2.7e-3; top-1 97.3%; ...` for one corpus row.
+pub fn distribution_line(d: &Distribution) -> String {
+    format!(
+        "{} positions: KL mean {:.2e} ± {:.1e}, median {:.2e}, p99 {:.2e}, max {:.2e}; dp RMS {:.2e}, max {:.2e}; \
+         top-1 {:.1}%, top-{} overlap {:.1}%",
+        d.positions,
+        d.kl.mean,
+        d.kl.mean_se,
+        d.kl.median,
+        d.kl.p99,
+        d.kl.max,
+        d.dp_rms,
+        d.dp_max,
+        100.0 * d.top1_agree,
+        d.topk,
+        100.0 * d.topk_overlap
+    )
+}
+
+/// The lossy paths of a report as one table (header first): per corpus row, the distribution
+/// as `llama-perplexity --kl-divergence` prints it, and KL in its first and last position band
+/// (a quantized cache's error grows with context). Empty when no row read a corpus.
+pub fn distribution_table(rows: &[Row]) -> Vec<Vec<String>> {
+    let lossy: Vec<(&Row, &Distribution)> = rows.iter().filter_map(|r| Some((r, r.distribution.as_ref()?))).collect();
+    if lossy.is_empty() {
+        return Vec::new();
+    }
+    let header = [
+        "checkpoint",
+        "path",
+        "positions",
+        "KL mean",
+        "KL median",
+        "KL p90",
+        "KL p99",
+        "KL max",
+        "dp RMS",
+        "dp max",
+        "top-1",
+        "top-k overlap",
+        "KL mean early",
+        "KL mean late",
+        "bounds",
+    ];
+    let mut out = vec![header.iter().map(|h| h.to_string()).collect::<Vec<_>>()];
+    for (r, d) in lossy {
+        let band = |b: Option<&crate::vocab::Band>| {
+            b.map_or("-".to_string(), |b| format!("{:.2e} (positions {}-{})", b.kl_mean, b.from, b.to))
+        };
+        let held = r.bounds.iter().filter(|b| b.held).count();
+        out.push(vec![
+            r.checkpoint.clone(),
+            r.path.clone(),
+            d.positions.to_string(),
+            format!("{:.2e} ± {:.1e}", d.kl.mean, d.kl.mean_se),
+            format!("{:.2e}", d.kl.median),
+            format!("{:.2e}", d.kl.p90),
+            format!("{:.2e}", d.kl.p99),
+            format!("{:.2e}", d.kl.max),
+            format!("{:.2e}", d.dp_rms),
+            format!("{:.2e}", d.dp_max),
+            format!("{:.2}%", 100.0 * d.top1_agree),
+            format!("{:.1}% (k={})", 100.0 * d.topk_overlap, d.topk),
+            band(d.by_position.first()),
+            band(d.by_position.last()),
+            format!("{held}/{} held", r.bounds.len()),
+        ]);
     }
     out
 }

@@ -53,6 +53,7 @@ fn verdict_badge(row: &Row) -> String {
     let (class, sym) = match row.verdict {
         Verdict::Identical => ("identical", "="),
         Verdict::NearTie => ("near-tie", "≈"),
+        Verdict::Within => ("within", "~"),
         Verdict::Vacuous => ("vacuous", "∅"),
         Verdict::Diverged => ("diverged", "≠"),
         Verdict::Error => ("error", "!"),

@@ -56,6 +56,18 @@ pub fn render(report: &Report) -> String {
         matrix(&mut out, &mine);
     }
 
+    let lossy = super::describe::distribution_table(&report.rows);
+    if let Some((header, rows)) = lossy.split_first() {
+        out.push_str("### Lossy paths over their corpus\n\n");
+        let _ = writeln!(out, "| {} |", header.join(" | "));
+        let _ = writeln!(out, "|{}", " --- |".repeat(header.len()));
+        for r in rows {
+            let cells: Vec<String> = r.iter().map(|c| cell(c)).collect();
+            let _ = writeln!(out, "| {} |", cells.join(" | "));
+        }
+        out.push('\n');
+    }
+
     failures(&mut out, report);
 
     let skipped: Vec<_> = report.checkpoints.iter().filter(|c| c.status == CheckpointStatus::Skipped).collect();

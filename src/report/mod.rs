@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use crate::compare::{Choice, FirstDifference};
 pub use crate::environment::Environment;
 use crate::kv::{Counters, KvStats};
-use crate::vocab::{EngineId, Evidence, Settings, Verdict};
+use crate::vocab::{Bound, Distribution, EngineId, Evidence, Settings, Verdict};
 
 /// Bumped when a field changes meaning or disappears (additions keep the version).
 pub const SCHEMA_VERSION: u32 = 1;
@@ -166,6 +166,12 @@ pub struct Row {
     /// What the engine counted about its own work during the case (paths that count).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub counters: Option<Counters>,
+    /// `corpus` rows: the path's next-token distributions against the reference's over the
+    /// corpus, and each bound of the tolerance checked against them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distribution: Option<Distribution>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bounds: Vec<Bound>,
 }
 
 /// A request-level row's measurements (kind = "openai").
@@ -228,6 +234,8 @@ impl Row {
             api: None,
             evidence: Vec::new(),
             counters: None,
+            distribution: None,
+            bounds: Vec::new(),
         }
     }
 

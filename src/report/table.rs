@@ -116,6 +116,7 @@ pub fn tail(report: &Report, color: bool) -> String {
     }
 
     api_summary(&mut out, report);
+    distribution_summary(&mut out, report);
 
     // Where the time went, per checkpoint that ran: what a suite costs, phase by phase.
     let timed: Vec<&CheckpointReport> =
@@ -153,6 +154,21 @@ fn phase_line(c: &CheckpointReport) -> String {
         }
     }
     merged.iter().map(|(n, s)| format!("{n} {s:.2}s")).collect::<Vec<_>>().join(", ")
+}
+
+/// The lossy paths' distributions over their corpus, one aligned line per row.
+fn distribution_summary(out: &mut String, report: &Report) {
+    let table = super::describe::distribution_table(&report.rows);
+    let Some(header) = table.first() else { return };
+    let widths: Vec<usize> =
+        (0..header.len()).map(|c| table.iter().map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
+    out.push_str(
+        "\nlossy paths over their corpus (KL in nats; dp: change in the probability of the text's next token):\n",
+    );
+    for r in &table {
+        let cells: Vec<String> = r.iter().zip(&widths).map(|(c, &w)| format!("{c:<w$}")).collect();
+        let _ = writeln!(out, "  {}", cells.join("  ").trim_end());
+    }
 }
 
 /// What the servers of request-level rows (kind = "openai") said about themselves: said once

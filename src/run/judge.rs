@@ -17,7 +17,8 @@ use crate::report::{ApiFacts, DivergenceReport, Row, StepPlace};
 use crate::scenario::requests::Answers;
 use crate::scenario::{CaseOutput, Outcome};
 use crate::vocab::{
-    CheckpointSpec, Evidence, MEMORY_CLAIMS, Scenario, Settings, Status, StepLayout, Tolerance, Verdict, audit,
+    CheckpointSpec, Distribution, Evidence, MEMORY_CLAIMS, Scenario, Settings, Status, StepLayout, Tolerance, Verdict,
+    audit,
 };
 
 /// What every row of one cell is judged against.
@@ -45,6 +46,9 @@ impl Judge<'_> {
             row.pass = true;
             row.notes.push(why);
             return row;
+        }
+        if let Some(d) = &c.distribution {
+            return self.distribution(row, d, c, path);
         }
         let mut compared: Vec<PathComparison> = Vec::new();
         for d in &c.measured {
@@ -252,6 +256,40 @@ impl Judge<'_> {
             batch_row: at.batch_row,
             batch_size: at.batch_size,
         }
+    }
+
+    /// The row of a `corpus` case: the distribution against each bound the tolerance sets
+    /// (with none, every position's argmax must agree), then the memory claims and the books
+    /// as on any other row.
+    fn distribution(&self, mut row: Row, d: &Distribution, c: &CaseOutput, path: &PathInfo) -> Row {
+        let tolerance = &self.spec.tolerance.distribution;
+        let bounds = tolerance.check(d);
+        let broken: Vec<String> = bounds
+            .iter()
+            .filter(|b| !b.held)
+            .map(|b| format!("{} {:.4} not {} {}", b.name, b.measured, b.relation, b.limit))
+            .collect();
+        row.verdict = match (broken.is_empty(), tolerance.is_empty()) {
+            (false, _) => Verdict::Diverged,
+            (true, true) => Verdict::Identical,
+            (true, false) => Verdict::Within,
+        };
+        row.max_kl = Some(d.kl.max as f32);
+        row.block_size = path.capabilities.block_size.filter(|&bs| bs > 0);
+        row.distribution = Some(d.clone());
+        row.bounds = bounds;
+        if let Some(o) = &c.observed {
+            row.counters = o.counters;
+            let w = self.spec.witness(&self.cell.path);
+            row.evidence = witness::steps(self.cell.scenario, &c.case, o, c.kv.as_ref(), path, &w);
+        }
+        row.pass = broken.is_empty();
+        row.failure = (!broken.is_empty()).then(|| format!("distribution: {}", broken.join("; ")));
+        memory_claims(&mut row);
+        if let Some(books) = &c.audit {
+            fail_books(&mut row, books.clone());
+        }
+        row
     }
 
     /// The row's texts, and its verdict against the tolerance.

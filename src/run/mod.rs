@@ -256,6 +256,12 @@ fn encode(p: &PromptSpec, tok: &Tokenizer, config: &ModelConfig, vocab: usize, m
         PromptSource::Text(t) => tok.encode_raw(t)?,
         PromptSource::Chat(t) => tok.encode_chat(t)?,
         PromptSource::Ids(ids) => ids.clone(),
+        PromptSource::File(f) => {
+            let text = std::fs::read_to_string(f).map_err(|e| {
+                Error::Invalid(format!("prompt `{}`: cannot read its file {}: {e}", p.name, f.display()))
+            })?;
+            tok.encode_raw(&text)?
+        }
     };
     if ids.is_empty() {
         return Err(Error::Invalid(format!("prompt `{}` encodes to no tokens", p.name)));

@@ -314,6 +314,20 @@ fn blocks_held(kv: Option<&KvStats>, live: &[usize], bs: usize) -> Found {
     let wanted = format!("at most {need} blocks of {bs} for the live lengths {live:?}");
     match kv {
         None => (wanted, "no KV statistics".into(), Status::Unreported),
+        // Blocks of a window's layers count as the fraction of a block of every layer they
+        // store: what the live sequences need is a bound on every group at once.
+        Some(s) if s.full_blocks_in_use().is_some() => {
+            let held = s.full_blocks_in_use().unwrap_or(0.0);
+            let seen = format!(
+                "{held:.2} blocks of every layer held ({} blocks of layer groups, peak {})",
+                s.blocks_in_use, s.peak_blocks_in_use
+            );
+            if held > need as f64 + 1e-9 {
+                (wanted, format!("{seen}: more than the live sequences need"), Status::Missing)
+            } else {
+                (wanted, seen, Status::Held)
+            }
+        }
         Some(s) if s.blocks_in_use > need => (
             wanted,
             format!(
@@ -336,15 +350,30 @@ fn row_bytes(kv: Option<&KvStats>, live: &[usize], info: &PathInfo) -> Found {
     // Live bytes over live rows, and for a pool its blocks' bytes over their rows: either is
     // what one row really costs.
     let mut measured = Vec::new();
-    if rows > 0 && s.bytes_live > 0 {
-        measured.push(("live", s.bytes_live as f64 / rows as f64));
-    }
-    if let Some(bs) = info.capabilities.block_size {
-        if s.blocks_in_use > 0 {
-            measured.push(("in blocks", s.bytes_in_use as f64 / (s.blocks_in_use * bs) as f64));
-        } else if s.peak_blocks_in_use > 0 {
-            // Everything released: the pool at its peak says what a row cost.
-            measured.push(("at peak", s.peak_bytes_in_use as f64 / (s.peak_blocks_in_use * bs) as f64));
+    if s.layers > 0 {
+        // A pool whose window layers keep fewer rows than its global ones: bytes over rows
+        // counted once per layer that stores them, times the layers, is a row of every layer.
+        let per_row = |bytes: u64, layer_rows: u64| bytes as f64 * s.layers as f64 / layer_rows as f64;
+        let bs = info.capabilities.block_size.unwrap_or(1) as u64;
+        if s.layer_rows_live > 0 && s.bytes_live > 0 {
+            measured.push(("live", per_row(s.bytes_live, s.layer_rows_live)));
+        }
+        if s.layer_blocks_in_use > 0 {
+            measured.push(("in blocks", per_row(s.bytes_in_use, s.layer_blocks_in_use * bs)));
+        } else if s.peak_layer_blocks > 0 {
+            measured.push(("at peak", per_row(s.peak_bytes_in_use, s.peak_layer_blocks * bs)));
+        }
+    } else {
+        if rows > 0 && s.bytes_live > 0 {
+            measured.push(("live", s.bytes_live as f64 / rows as f64));
+        }
+        if let Some(bs) = info.capabilities.block_size {
+            if s.blocks_in_use > 0 {
+                measured.push(("in blocks", s.bytes_in_use as f64 / (s.blocks_in_use * bs) as f64));
+            } else if s.peak_blocks_in_use > 0 {
+                // Everything released: the pool at its peak says what a row cost.
+                measured.push(("at peak", s.peak_bytes_in_use as f64 / (s.peak_blocks_in_use * bs) as f64));
+            }
         }
     }
     if measured.is_empty() {

@@ -15,6 +15,7 @@
 pub mod batch2;
 pub mod chunked;
 pub mod concurrent;
+pub mod corpus;
 pub mod explore;
 pub mod padded;
 pub mod prefix;
@@ -54,6 +55,7 @@ pub fn run(sc: Scenario, setup: &mut Setup, path: &mut dyn EnginePath, prompts: 
         Scenario::Rollback => rollback::run(setup, path, prompts),
         Scenario::Prefix => prefix::run(setup, path, prompts),
         Scenario::Script => script::run_all(setup, path, prompts),
+        Scenario::Corpus => corpus::run(setup, path, prompts),
         // Suites refuse these on step-level engines (the parser); never silently pass.
         Scenario::Lengths | Scenario::Repeat => CaseOutput::for_every_prompt(
             prompts,
@@ -129,6 +131,9 @@ pub struct CaseOutput<M = Sequences> {
     /// What the case's session showed beside the tokens (stepped paths): the evidence its
     /// claims are judged on.
     pub observed: Option<Observed>,
+    /// `corpus`: the path's next-token distributions against the reference's, position by
+    /// position, summarised; judged by the distribution's bounds instead of step by step.
+    pub distribution: Option<crate::vocab::Distribution>,
 }
 
 /// What a stepped case's session showed when it ended: parity's record of its own driving,
@@ -165,6 +170,7 @@ impl<M> CaseOutput<M> {
             outcome,
             audit: None,
             observed: None,
+            distribution: None,
         }
     }
 }
@@ -257,6 +263,16 @@ impl<'r> Setup<'r> {
     /// Time spent on the reference path so far.
     pub fn reference_time(&self) -> Duration {
         self.reference_time
+    }
+
+    /// A fresh session of the reference path, for a case that runs it in lockstep with the
+    /// path (its time is the caller's to add: [`add_reference_time`](Self::add_reference_time)).
+    pub fn reference_session(&mut self) -> Result<Box<dyn Session + '_>> {
+        self.reference.session(Faults::NONE)
+    }
+
+    pub fn add_reference_time(&mut self, t: Duration) {
+        self.reference_time += t;
     }
 
     /// Run only the cases producing rows `select` wants (each scenario still sees every

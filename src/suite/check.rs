@@ -85,6 +85,7 @@ impl Ctx<'_> {
         set(&mut s.chunk, "settings.chunk", &p.chunk, false)?;
         set(&mut s.lookahead, "settings.lookahead", &p.lookahead, true)?;
         set(&mut s.rollback_every, "settings.rollback_every", &p.rollback_every, false)?;
+        set(&mut s.corpus_tokens, "settings.corpus_tokens", &p.corpus_tokens, false)?;
         if let Some(b) = p.poison {
             s.poison = b;
         }
@@ -170,6 +171,25 @@ impl Ctx<'_> {
         }
         if let Some(b) = p.bitwise {
             t.bitwise = b;
+        }
+        let d = &mut t.distribution;
+        let bounds = [
+            ("kl_mean", &p.kl_mean, &mut d.kl_mean, f64::INFINITY),
+            ("kl_p99", &p.kl_p99, &mut d.kl_p99, f64::INFINITY),
+            ("kl_max", &p.kl_max, &mut d.kl_max, f64::INFINITY),
+            ("dp_rms", &p.dp_rms, &mut d.dp_rms, 1.0),
+            ("top1_agree", &p.top1_agree, &mut d.top1_agree, 1.0),
+            ("topk_overlap", &p.topk_overlap, &mut d.topk_overlap, 1.0),
+        ];
+        for (key, v, dst, most) in bounds {
+            if let Some(v) = v {
+                let x = *v.get_ref();
+                if !(x.is_finite() && (0.0..=most).contains(&x)) {
+                    let range = if most.is_finite() { format!("from 0 to {most}") } else { "non-negative".into() };
+                    return Err(self.err(v.span(), format!("tolerance.{key}: {x} must be a number {range}")));
+                }
+                *dst = Some(x);
+            }
         }
         if let Some(strict) = p.strict {
             let vacuous = t.allow.contains(&Verdict::Vacuous);

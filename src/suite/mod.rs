@@ -96,12 +96,18 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
         if prompts.iter().any(|q| q.name == name) {
             return Err(cx.err(p.name.span(), format!("prompt `{name}` is defined twice")));
         }
-        let source = match (&p.text, &p.chat, &p.ids) {
-            (Some(t), None, None) => PromptSource::Text(t.clone()),
-            (None, Some(c), None) => PromptSource::Chat(c.clone()),
-            (None, None, Some(ids)) if !ids.is_empty() => PromptSource::Ids(ids.clone()),
+        let source = match (&p.text, &p.chat, &p.ids, &p.file) {
+            (Some(t), None, None, None) => PromptSource::Text(t.clone()),
+            (None, Some(c), None, None) => PromptSource::Chat(c.clone()),
+            (None, None, Some(ids), None) if !ids.is_empty() => PromptSource::Ids(ids.clone()),
+            (None, None, None, Some(f)) if !f.get_ref().is_empty() => {
+                let dir = file.parent().unwrap_or(std::path::Path::new("."));
+                PromptSource::File(dir.join(f.get_ref()))
+            }
             _ => {
-                return Err(cx.err(span, format!("prompt `{name}`: give exactly one of text, chat or ids (non-empty)")));
+                return Err(
+                    cx.err(span, format!("prompt `{name}`: give exactly one of text, chat, ids or file (non-empty)"))
+                );
             }
         };
         let length = cx.positive("length", &p.length, false)?;

@@ -44,6 +44,7 @@ pub(super) struct RawPrompt {
     pub(super) text: Option<String>,
     pub(super) chat: Option<String>,
     pub(super) ids: Option<Vec<u32>>,
+    pub(super) file: Option<Spanned<String>>,
     pub(super) length: Option<Spanned<i64>>,
 }
 
@@ -147,6 +148,7 @@ pub(super) struct SettingsPatch {
     pub(super) poison: Option<bool>,
     pub(super) pool_blocks: Option<Spanned<i64>>,
     pub(super) lengths: Option<Spanned<Vec<i64>>>,
+    pub(super) corpus_tokens: Option<Spanned<i64>>,
     pub(super) concurrent: Option<ConcurrentPatch>,
 }
 
@@ -168,4 +170,11 @@ pub(super) struct TolerancePatch {
     pub(super) bitwise: Option<bool>,
     /// Let rows whose claims lack their evidence pass (`vacuous` is then allowed).
     pub(super) vacuous: Option<bool>,
+    /// `corpus` rows: bounds on the distribution (see `vocab::DistributionTolerance`).
+    pub(super) kl_mean: Option<Spanned<f64>>,
+    pub(super) kl_p99: Option<Spanned<f64>>,
+    pub(super) kl_max: Option<Spanned<f64>>,
+    pub(super) dp_rms: Option<Spanned<f64>>,
+    pub(super) top1_agree: Option<Spanned<f64>>,
+    pub(super) topk_overlap: Option<Spanned<f64>>,
 }

@@ -4,6 +4,7 @@
 //! Engines, scenarios, comparisons and reports all read these types; none of them owns one.
 
 pub mod audit;
+mod distribution;
 mod evidence;
 mod path;
 mod scenario;
@@ -12,6 +13,7 @@ mod suite;
 mod trace;
 mod verdict;
 
+pub use distribution::{Band, Bound, Distribution, DistributionTolerance, PositionSample, Spread};
 pub use evidence::{CLAIMS, Evidence, MEMORY_CLAIMS, REQUIREMENTS, Status, Witness};
 pub use path::{BuiltinPath, EngineId};
 pub use scenario::{Arrival, ConcurrentSettings, REQUEST_LEVEL, STEP_LEVEL, Scenario, Settings};

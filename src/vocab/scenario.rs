@@ -23,6 +23,10 @@ pub enum Scenario {
     /// Random schedules, shrunk to a minimal script when one fails: `parity explore` only,
     /// never a suite's.
     Explore,
+    /// A lossy path's next-token distributions over a corpus read teacher-forced, against the
+    /// reference's: judged by bounds on the distribution (KL, top-1 agreement, ...), not step
+    /// by step. Named by a suite, never run by default.
+    Corpus,
 }
 
 /// What an engine that is stepped runs (kind = "builtin" or "process"), and its default.
@@ -54,12 +58,18 @@ impl Scenario {
             Scenario::Repeat => "repeat",
             Scenario::Script => "script",
             Scenario::Explore => "explore",
+            Scenario::Corpus => "corpus",
         }
     }
 
     /// A scenario a suite may name (`explore` is not one: it runs from `parity explore`).
     pub fn parse(s: &str) -> Option<Scenario> {
-        STEP_LEVEL.iter().chain(REQUEST_LEVEL).chain(&[Scenario::Script]).copied().find(|x| x.name() == s)
+        STEP_LEVEL
+            .iter()
+            .chain(REQUEST_LEVEL)
+            .chain(&[Scenario::Script, Scenario::Corpus])
+            .copied()
+            .find(|x| x.name() == s)
     }
 
     /// Every scenario name a suite may write, for error messages.
@@ -68,6 +78,7 @@ impl Scenario {
         let more: Vec<&str> = REQUEST_LEVEL.iter().map(|s| s.name()).filter(|n| !names.contains(n)).collect();
         names.extend(more);
         names.push(Scenario::Script.name());
+        names.push(Scenario::Corpus.name());
         names
     }
 }
@@ -97,6 +108,9 @@ pub struct Settings {
     /// `block_size` and `chunk` (each minus one, exact, plus one).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lengths: Option<Vec<usize>>,
+    /// `corpus`: positions read per prompt, teacher-forced one token at a time (each prompt's
+    /// first `corpus_tokens + 1` tokens: the last is only a target).
+    pub corpus_tokens: usize,
 }
 
 impl Default for Settings {
@@ -112,6 +126,7 @@ impl Default for Settings {
             poison: true,
             pool_blocks: None,
             lengths: None,
+            corpus_tokens: 512,
         }
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 
 use super::audit::{Problem, lengths_problem, request_level_problems, settings_problems};
-use super::{BuiltinPath, RequestScript, Scenario, Script, Settings, Verdict, Witness};
+use super::{BuiltinPath, DistributionTolerance, RequestScript, Scenario, Script, Settings, Verdict, Witness};
 use crate::dtype::DtypeSetting;
 use crate::kv::Backend;
 
@@ -188,6 +188,9 @@ pub enum PromptSource {
     Chat(String),
     /// Token ids, used as given.
     Ids(Vec<u32>),
+    /// A text file (relative to the suite file; read when the prompt is encoded), encoded as
+    /// raw text: a corpus.
+    File(PathBuf),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -207,6 +210,8 @@ pub struct Tolerance {
     pub max_logprob_delta: f32,
     /// kind = "openai": any logprob difference at all fails (engines claiming batch invariance).
     pub bitwise: bool,
+    /// `corpus` rows: bounds on the distribution of the path's distance from the reference.
+    pub distribution: DistributionTolerance,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -346,5 +351,11 @@ pub fn default_tolerance(dtype: DtypeSetting) -> Tolerance {
         DtypeSetting::Float16 => 5e-2,
         _ => 0.25,
     };
-    Tolerance { max_rel_rms, allow: vec![Verdict::Identical, Verdict::NearTie], max_logprob_delta, bitwise: false }
+    Tolerance {
+        max_rel_rms,
+        allow: vec![Verdict::Identical, Verdict::NearTie],
+        max_logprob_delta,
+        bitwise: false,
+        distribution: DistributionTolerance::default(),
+    }
 }

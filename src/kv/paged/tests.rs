@@ -23,6 +23,12 @@ fn rows(seed: usize, first_row: usize, n: usize) -> Array {
         .expect("test rows")
 }
 
+/// One sequence's visible K and V.
+fn read(kv: &dyn KvCache, layer: usize, seq: SeqId) -> (Array, Array) {
+    let r = kv.read(layer, seq).expect("read");
+    (r.keys, r.values)
+}
+
 fn host(a: &Array) -> Vec<f32> {
     crate::array::host_f32(a).expect("host copy")
 }
@@ -47,8 +53,8 @@ fn append(caches: &mut [&mut dyn KvCache], seqs: &[SeqId], seed: usize, n: usize
 fn assert_same(dense: &DenseCache, d: SeqId, paged: &PagedBlockPool, p: SeqId, what: &str) {
     assert_eq!(dense.len(d).unwrap(), paged.len(p).unwrap(), "{what}: lengths");
     for layer in 0..SHAPE.layers {
-        let (dk, dv) = dense.read(layer, d).unwrap();
-        let (pk, pv) = paged.read(layer, p).unwrap();
+        let (dk, dv) = read(dense, layer, d);
+        let (pk, pv) = read(paged, layer, p);
         assert_eq!(dk.shape(), pk.shape(), "{what}: shape, layer {layer}");
         assert_eq!(host(&dk), host(&pk), "{what}: K, layer {layer}");
         assert_eq!(host(&dv), host(&pv), "{what}: V, layer {layer}");
@@ -96,7 +102,7 @@ fn trims_across_one_and_several_blocks_then_continue() {
         assert_eq!(paged.block_table(p).unwrap().len(), (13 - trim).div_ceil(bs), "empty blocks freed");
         append(&mut [&mut dense, &mut paged], &[d, p], 7, 6);
         assert_same(&dense, d, &paged, p, &format!("continued after trim {trim}"));
-        let (k, _) = paged.read(0, p).unwrap();
+        let (k, _) = read(&paged, 0, p);
         assert!(host(&k).iter().all(|x| x.is_finite()), "no poisoned row visible after trim {trim}");
     }
 }
@@ -126,7 +132,7 @@ fn released_blocks_are_poisoned_and_reused_without_leaking_into_live_sequences()
     let reused = paged.block_table(b).unwrap();
     assert!(reused.iter().all(|blk| a_blocks.contains(blk)), "freed blocks are reused first");
     assert_same(&dense, d, &paged, b, "reused blocks");
-    let (k, v) = paged.read(1, b).unwrap();
+    let (k, v) = read(&paged, 1, b);
     assert!(host(&k).iter().chain(host(&v).iter()).all(|x| x.is_finite()));
 }
 
@@ -137,7 +143,7 @@ fn shared_prefix_is_refcounted_and_copied_on_write() {
     let mut dense = DenseCache::new(SHAPE);
     let donor = paged.create(0).unwrap();
     append(&mut [&mut paged], &[donor], 1, 10); // blocks: 4 + 4 + 2
-    let before = host(&paged.read(0, donor).unwrap().0);
+    let before = host(&read(&paged, 0, donor).0);
     // Share 6 rows: ends mid-block (row 6 is in the second block).
     let (child, _) = paged.share_prefix(donor, 6).unwrap().expect("paged shares");
     assert_eq!(paged.len(child).unwrap(), 6);
@@ -150,7 +156,7 @@ fn shared_prefix_is_refcounted_and_copied_on_write() {
     assert_same(&dense, d, &paged, child, "child after copy-on-write");
     assert_ne!(paged.block_table(child).unwrap()[1], paged.block_table(donor).unwrap()[1], "shared block copied");
     assert_eq!(paged.block_table(child).unwrap()[0], paged.block_table(donor).unwrap()[0], "full block still shared");
-    assert_eq!(host(&paged.read(0, donor).unwrap().0), before, "donor untouched by the child's write");
+    assert_eq!(host(&read(&paged, 0, donor).0), before, "donor untouched by the child's write");
     // Releasing the donor keeps the still-shared first block alive for the child.
     paged.release(donor).unwrap();
     assert_same(&dense, d, &paged, child, "child after donor released");
@@ -221,7 +227,7 @@ fn assert_batch_matches_rows(kv: &dyn KvCache, seqs: &[SeqId], what: &str) {
         for (b, &seq) in seqs.iter().enumerate() {
             let n = kv.len(seq).unwrap();
             assert_eq!(batch.visible[b], n, "{what}: visible rows of row {b}");
-            let (k, v) = kv.read(layer, seq).unwrap();
+            let (k, v) = read(kv, layer, seq);
             let row = |a: &Array, cols: std::ops::Range<i32>| host(&a.index((b as i32..b as i32 + 1, .., cols, ..)));
             assert_eq!(row(&batch.keys, 0..n as i32), host(&k), "{what}: K of row {b}, layer {layer}");
             assert_eq!(row(&batch.values, 0..n as i32), host(&v), "{what}: V of row {b}, layer {layer}");
@@ -269,4 +275,136 @@ fn batched_writes_and_reads_match_per_sequence_ones_on_both_backends() {
     for i in 0..3 {
         assert_same(&dense, d[i], &paged, p[i], &format!("sequence {i} after reuse"));
     }
+}
+
+fn windowed(block_size: usize, window: usize, initial_blocks: usize, faults: Faults) -> PagedBlockPool {
+    let opts = PoolOptions { block_size, initial_blocks, max_blocks: None, poison: true };
+    PagedBlockPool::windowed(SHAPE, &[Some(window), None], opts, faults).expect("windowed pool")
+}
+
+/// Layer 0 of a windowed pool against the dense rows from the position its read starts at;
+/// layer 1 (global) against all of them.
+fn assert_window_same(dense: &DenseCache, d: SeqId, paged: &PagedBlockPool, p: SeqId, what: &str) {
+    use mlx_rs::ops::indexing::IndexOp;
+    let n = dense.len(d).unwrap();
+    assert_eq!(n, paged.len(p).unwrap(), "{what}: lengths");
+    let local = paged.read(0, p).unwrap();
+    let first = local.first[0];
+    assert_eq!(local.visible, [n - first], "{what}: window layer shows its held rows");
+    let (dk, dv) = read(dense, 0, d);
+    let tail = |a: &Array| host(&a.index((.., .., first as i32.., ..)));
+    assert_eq!(tail(&dk), host(&local.keys), "{what}: window layer K from position {first}");
+    assert_eq!(tail(&dv), host(&local.values), "{what}: window layer V from position {first}");
+    let global = paged.read(1, p).unwrap();
+    assert_eq!(global.first, [0], "{what}: the global layer keeps every row");
+    assert_eq!(host(&read(dense, 1, d).0), host(&global.keys), "{what}: global layer K");
+}
+
+/// Blocks wholly older than the window of every query still to come are released on the
+/// window's layers and kept on the global ones; reads start at the first held block and say
+/// its position, so attention masks by position, not by column.
+#[test]
+fn window_layers_release_the_blocks_every_later_query_is_blind_to() {
+    let (bs, window) = (4, 6);
+    let mut dense = DenseCache::new(SHAPE);
+    let mut paged = windowed(bs, window, 8, Faults::NONE);
+    let (d, p) = (dense.create(0).unwrap(), paged.create(0).unwrap());
+    append(&mut [&mut dense, &mut paged], &[d, p], 1, 5);
+    for step in 0..8 {
+        append(&mut [&mut dense, &mut paged], &[d, p], 20 + step, 1);
+        paged.audit().unwrap();
+    }
+    // Length 13, the last forward's query at 12 sees 7..=12: block 0 (rows 0..4) is gone,
+    // block 1 (4..8) holds row 7 and stays.
+    assert_eq!(paged.layer_table(p, 0).unwrap().0, 1, "one block released on the window layer");
+    assert_eq!(paged.layer_table(p, 1).unwrap(), (0, paged.block_table(p).unwrap()), "global layer keeps all");
+    assert_eq!(paged.block_table(p).unwrap().len(), 4);
+    assert_window_same(&dense, d, &paged, p, "after decode past the window");
+    assert_eq!(paged.counters().window_blocks_released, Some(1));
+    let st = paged.stats();
+    assert_eq!(st.blocks_in_use, 3 + 4, "3 window blocks and 4 global ones");
+    assert_eq!(st.layer_blocks_in_use, 7);
+    assert_eq!(st.full_blocks_in_use(), Some(3.5));
+}
+
+/// A rollback that reaches back past the window takes the released block back while the pool
+/// has not reused it; after it has, the trim is refused and the sequence left as it was.
+#[test]
+fn a_trim_past_the_window_takes_its_rows_back_or_is_refused_once_they_are_reused() {
+    let (bs, window) = (4, 6);
+    let mut dense = DenseCache::new(SHAPE);
+    let mut paged = windowed(bs, window, 8, Faults::NONE);
+    let (d, p) = (dense.create(0).unwrap(), paged.create(0).unwrap());
+    for step in 0..13 {
+        append(&mut [&mut dense, &mut paged], &[d, p], 30 + step, 1);
+    }
+    assert_eq!(paged.layer_table(p, 0).unwrap().0, 1);
+    // Back to 8 rows: the next query (8) sees 3..=8, in block 0 again.
+    dense.trim(d, 5).unwrap();
+    paged.trim(p, 5).unwrap();
+    assert_eq!(paged.layer_table(p, 0).unwrap().0, 0, "block 0 taken back");
+    paged.audit().unwrap();
+    assert_window_same(&dense, d, &paged, p, "after the trim past the window");
+    append(&mut [&mut dense, &mut paged], &[d, p], 90, 3);
+    assert_window_same(&dense, d, &paged, p, "continued after it");
+
+    // A pool of 3 blocks: the window layer's released block 0 is handed out again for row 12
+    // (released blocks go before the pool grows), so its rows are gone.
+    let mut tight = windowed(bs, window, 3, Faults::NONE);
+    let a = tight.create(0).unwrap();
+    for step in 0..13 {
+        append(&mut [&mut tight], &[a], 30 + step, 1);
+    }
+    assert_eq!(tight.stats().blocks_reserved, 3 + 6, "the window layer did not grow");
+    let e = tight.trim(a, 5).expect_err("its rows were reused").to_string();
+    assert!(e.contains("needs rows 0..4 again, which had left its window of 6"), "{e}");
+    assert_eq!(tight.len(a).unwrap(), 13, "a refused trim changes nothing");
+    tight.audit().unwrap();
+}
+
+/// A prefix shared after the donor's window moved on: the adopter's next query sees rows the
+/// donor released, which come back from the pool while it still has them.
+#[test]
+fn a_shared_prefix_takes_back_the_rows_the_donor_released() {
+    let (bs, window) = (4, 6);
+    let mut dense = DenseCache::new(SHAPE);
+    let mut paged = windowed(bs, window, 8, Faults::NONE);
+    let donor = paged.create(0).unwrap();
+    for step in 0..16 {
+        append(&mut [&mut paged], &[donor], 40 + step, 1);
+    }
+    assert_eq!(paged.layer_table(donor, 0).unwrap().0, 2, "rows 0..8 released");
+    // Share 10 rows: the adopter's next query (10) sees 5..=10, so block 1 comes back.
+    let (child, _) = paged.share_prefix(donor, 10).unwrap().expect("paged shares");
+    assert_eq!(paged.layer_table(child, 0).unwrap().0, 1, "the adopter holds blocks 1 and 2");
+    paged.audit().unwrap();
+    let d = dense.create(0).unwrap();
+    for step in 0..10 {
+        append(&mut [&mut dense], &[d], 40 + step, 1);
+    }
+    assert_window_same(&dense, d, &paged, child, "adopter");
+    append(&mut [&mut dense, &mut paged], &[d, child], 70, 2);
+    assert_window_same(&dense, d, &paged, child, "adopter after its own rows");
+    paged.release(donor).unwrap();
+    paged.release(child).unwrap();
+    paged.audit().unwrap();
+    assert_eq!(paged.blocks_in_use(), 0);
+}
+
+/// The planted `window-release-early` fault lets go of the block that still holds the oldest
+/// row of the current query's window (row 7 for a query at 12 with a window of 6).
+#[test]
+fn the_early_release_fault_drops_a_block_the_window_still_sees() {
+    let mut clean = windowed(4, 6, 8, Faults::NONE);
+    let mut early = windowed(4, 6, 8, Faults::only(Fault::WindowReleaseEarly));
+    for pool in [&mut clean, &mut early] {
+        let s = pool.create(0).unwrap();
+        for step in 0..12 {
+            append(&mut [pool], &[s], 50 + step, 1);
+        }
+        pool.reserve(s, 1).unwrap(); // the query at 12 reaches back to row 7
+    }
+    let s = SeqId(0);
+    assert_eq!(clean.layer_table(s, 0).unwrap().0, 1);
+    assert_eq!(early.layer_table(s, 0).unwrap().0, 2, "block 1 (rows 4..8) released with row 7 in the window");
 }

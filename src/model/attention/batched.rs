@@ -23,10 +23,11 @@ pub struct Step {
     /// `[B]` int32 RoPE offsets, one per row.
     offsets: Array,
     tokens: usize,
-    /// The mask for the visible lengths the cache reported (the same for every global layer).
-    mask: Memo<Vec<usize>, Mask>,
+    /// The mask for the visible lengths and first positions the cache reported (the same for
+    /// every global layer).
+    mask: Memo<(Vec<usize>, Vec<usize>), Mask>,
     /// The same for every sliding-window layer.
-    local_mask: Memo<Vec<usize>, Mask>,
+    local_mask: Memo<(Vec<usize>, Vec<usize>), Mask>,
 }
 
 #[derive(Clone)]
@@ -74,8 +75,9 @@ pub fn attend(
     kv.write_batch(layer, &ctx.seqs, &ctx.starts, &k, &v)?;
     let read = kv.read_batch(layer, &ctx.seqs)?;
     let memo = if view.window.is_some() { &step.local_mask } else { &step.mask };
-    let mask =
-        memo.get_or_try(read.visible, |visible| Ok(mask(visible, &ctx.masked, step.tokens, view.window, ctx.faults)))?;
+    let mask = memo.get_or_try((read.visible, read.first), |(visible, first)| {
+        Ok(mask(visible, first, &ctx.masked, step.tokens, view.window, ctx.faults))
+    })?;
     let (keys, values) = (&read.keys, &read.values);
     Ok(match &mask {
         Mask::None => mlx_rs::fast::scaled_dot_product_attention(&q, keys, values, scale, None, None)?,
@@ -88,18 +90,19 @@ pub fn attend(
 }
 
 /// The mask for rows whose keys are `visible[b]` long (each row's last `t` are this step's
-/// tokens) in a read `W = max(visible)` wide, with `masked[b]` left pads, on a layer that sees
-/// the last `window` positions (`None`: all of them).
+/// tokens) in a read `W = max(visible)` wide, the first at position `first[b]`, with
+/// `masked[b]` left pads, on a layer that sees the last `window` positions (`None`: all).
 ///
 /// Query j of row b sits at key column `visible[b] - t + j` and sees the columns up to it:
 /// causal within the step, and blind to the filler past the row's end. Real queries never see
 /// the masked prefix; pad queries see the pads before them, so their softmax is defined (their
-/// outputs are never used). A windowed query at column q sees only the columns c with
-/// `q - c < window`, as mlx-lm's `create_causal_mask` has it; pads and real tokens share the
-/// column axis, so the difference of columns is the difference of positions.
-fn mask(visible: &[usize], masked: &[usize], t: usize, window: Option<usize>, faults: Faults) -> Mask {
+/// outputs are never used). A windowed query at position q sees only the keys at positions k
+/// with `q - k < window`, as mlx-lm's `create_causal_mask` has it. Pads, real tokens and the
+/// rows a window layer released all count as positions, so column c is position
+/// `first[b] + c`.
+fn mask(visible: &[usize], first: &[usize], masked: &[usize], t: usize, window: Option<usize>, faults: Faults) -> Mask {
     let w = visible.iter().copied().max().unwrap_or(0);
-    let pads = !faults.has(Fault::PadUnmasked) && masked.iter().any(|&m| m > 0);
+    let pads = !faults.has(Fault::PadUnmasked) && masked.iter().zip(first).any(|(&m, &f)| m > f);
     let ragged = visible.iter().any(|&n| n != w);
     // Every query's window holds all its keys: the oldest query, at column w - t, reaches
     // column 0 when w - t < window.
@@ -109,13 +112,17 @@ fn mask(visible: &[usize], masked: &[usize], t: usize, window: Option<usize>, fa
     }
     let win = window.unwrap_or(usize::MAX);
     let mut m = Vec::with_capacity(visible.len() * t * w);
-    for (&n, &pad) in visible.iter().zip(masked) {
+    for ((&n, &pad), &f) in visible.iter().zip(masked).zip(first) {
         let pad = if faults.has(Fault::PadUnmasked) { 0 } else { pad };
         // Planted fault: a row shorter than the batch sees one key past its end.
         let reach = usize::from(faults.has(Fault::RaggedMaskWide) && n < w);
         for j in 0..t {
-            let q = (n + j).saturating_sub(t);
-            m.extend((0..w).map(|c| c <= q + reach && q - c.min(q) < win && (c >= pad || q < pad)));
+            let qc = (n + j).saturating_sub(t);
+            let q = f + qc;
+            m.extend((0..w).map(|c| {
+                let k = f + c;
+                c <= qc + reach && q - k.min(q) < win && (k >= pad || q < pad)
+            }));
         }
     }
     Mask::Array(Array::from_slice(&m, &[visible.len() as i32, 1, t as i32, w as i32]))
@@ -134,23 +141,23 @@ mod tests {
 
     #[test]
     fn uniform_rows_need_no_mask_array() {
-        assert!(matches!(mask(&[5, 5], &[0, 0], 1, None, Faults::NONE), Mask::None));
-        assert!(matches!(mask(&[5, 5], &[0, 0], 3, None, Faults::NONE), Mask::Causal));
+        assert!(matches!(mask(&[5, 5], &[0, 0], &[0, 0], 1, None, Faults::NONE), Mask::None));
+        assert!(matches!(mask(&[5, 5], &[0, 0], &[0, 0], 3, None, Faults::NONE), Mask::Causal));
     }
 
     #[test]
     fn ragged_decode_rows_see_exactly_their_keys() {
         // Row 0 has 4 keys, row 1 has 2: row 1 must not see columns 2 and 3 (filler).
-        let m = bools(mask(&[4, 2], &[0, 0], 1, None, Faults::NONE));
+        let m = bools(mask(&[4, 2], &[0, 0], &[0, 0], 1, None, Faults::NONE));
         assert_eq!(m, [true, true, true, true, true, true, false, false]);
-        let wide = bools(mask(&[4, 2], &[0, 0], 1, None, Faults::only(Fault::RaggedMaskWide)));
+        let wide = bools(mask(&[4, 2], &[0, 0], &[0, 0], 1, None, Faults::only(Fault::RaggedMaskWide)));
         assert_eq!(wide, [true, true, true, true, true, true, true, false], "the fault reaches one key further");
     }
 
     #[test]
     fn left_pads_are_hidden_from_real_queries_only() {
         // One row, 2 masked pads then 2 real tokens, prefilled together (t = 4).
-        let m = bools(mask(&[4], &[2], 4, None, Faults::NONE));
+        let m = bools(mask(&[4], &[0], &[2], 4, None, Faults::NONE));
         #[rustfmt::skip]
         assert_eq!(m, [
             true, false, false, false, // pad 0: itself
@@ -158,17 +165,17 @@ mod tests {
             false, false, true, false, // real 0: itself, not the pads
             false, false, true, true,  // real 1
         ]);
-        let unmasked = mask(&[4], &[2], 4, None, Faults::only(Fault::PadUnmasked));
+        let unmasked = mask(&[4], &[0], &[2], 4, None, Faults::only(Fault::PadUnmasked));
         assert!(matches!(unmasked, Mask::Causal), "the fault leaves plain causality: real queries see the pads");
     }
 
     #[test]
     fn a_window_hides_keys_older_than_it() {
         // Two decode rows, 5 and 3 keys, window 3: row 0 sees columns 2..=4, row 1 all of its 3.
-        let m = bools(mask(&[5, 3], &[0, 0], 1, Some(3), Faults::NONE));
+        let m = bools(mask(&[5, 3], &[0, 0], &[0, 0], 1, Some(3), Faults::NONE));
         assert_eq!(m, [false, false, true, true, true, true, true, true, false, false]);
         // A prefill of 4 with window 2: each query sees itself and the one before it.
-        let m = bools(mask(&[4], &[0], 4, Some(2), Faults::NONE));
+        let m = bools(mask(&[4], &[0], &[0], 4, Some(2), Faults::NONE));
         #[rustfmt::skip]
         assert_eq!(m, [
             true, false, false, false,
@@ -176,7 +183,11 @@ mod tests {
             false, true, true, false,
             false, false, true, true,
         ]);
+        // Rows whose oldest blocks a window layer released: row 0 holds positions 8..13 (5
+        // columns), row 1 positions 0..3. Window 3: row 0's query at 12 sees 10..=12.
+        let m = bools(mask(&[5, 3], &[8, 0], &[0, 0], 1, Some(3), Faults::NONE));
+        assert_eq!(m, [false, false, true, true, true, true, true, true, false, false]);
         // A window at least as long as every row changes nothing.
-        assert!(matches!(mask(&[3, 3], &[0, 0], 1, Some(3), Faults::NONE), Mask::None));
+        assert!(matches!(mask(&[3, 3], &[0, 0], &[0, 0], 1, Some(3), Faults::NONE), Mask::None));
     }
 }

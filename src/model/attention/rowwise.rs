@@ -36,36 +36,37 @@ pub fn attend(
     }
     let mut outs = Vec::with_capacity(b as usize);
     for (i, (&seq, qr)) in ctx.seqs.iter().zip(&queries).enumerate() {
-        let (keys, values) = kv.read(layer, seq)?;
+        let read = kv.read(layer, seq)?;
+        let (keys, values, first) = (&read.keys, &read.values, read.first[0]);
         let masked = if ctx.faults.has(Fault::PadUnmasked) { 0 } else { ctx.masked[i] };
         let n = keys.shape()[2] as usize;
         // Only left-padded rows and windows shorter than the row need an explicit mask; its
         // width is the keys actually read.
-        let out = if masked > 0 || view.window.is_some_and(|w| n > w) {
-            let mask = row_mask(ctx.starts[i], t as usize, n, masked, view.window);
-            mlx_rs::fast::scaled_dot_product_attention(qr, &keys, &values, scale, &mask, None)?
+        let out = if masked > first || view.window.is_some_and(|w| n > w) {
+            let mask = row_mask(ctx.starts[i], t as usize, first, n, masked, view.window);
+            mlx_rs::fast::scaled_dot_product_attention(qr, keys, values, scale, &mask, None)?
         } else if t > 1 {
             // Causal, aligned to the bottom right: query j sits at row start + j.
             let causal = ScaledDotProductAttentionMask::Causal;
-            mlx_rs::fast::scaled_dot_product_attention(qr, &keys, &values, scale, causal, None)?
+            mlx_rs::fast::scaled_dot_product_attention(qr, keys, values, scale, causal, None)?
         } else {
-            mlx_rs::fast::scaled_dot_product_attention(qr, &keys, &values, scale, None, None)?
+            mlx_rs::fast::scaled_dot_product_attention(qr, keys, values, scale, None, None)?
         };
         outs.push(out);
     }
     Ok(if outs.len() == 1 { outs.swap_remove(0) } else { mlx_rs::ops::concatenate(&outs, 0)? })
 }
 
-/// Causal mask `[T, L]` that also hides the first `masked` key rows from every real query and,
-/// with a window, every key `window` or more rows before the query. Pad queries (inside the
-/// masked prefix) attend causally among themselves so that their softmax is defined; their
-/// outputs are never used.
-fn row_mask(start: usize, t: usize, keys: usize, masked: usize, window: Option<usize>) -> Array {
+/// Causal mask `[T, L]` over the keys at positions `first..first + L` that also hides the
+/// first `masked` positions from every real query and, with a window, every key `window` or
+/// more positions before the query. Pad queries (inside the masked prefix) attend causally
+/// among themselves so that their softmax is defined; their outputs are never used.
+fn row_mask(start: usize, t: usize, first: usize, keys: usize, masked: usize, window: Option<usize>) -> Array {
     let win = window.unwrap_or(usize::MAX);
     let mut m = Vec::with_capacity(t * keys);
     for j in 0..t {
         let qpos = start + j;
-        for kpos in 0..keys {
+        for kpos in first..first + keys {
             m.push(kpos <= qpos && qpos - kpos.min(qpos) < win && (kpos >= masked || qpos < masked));
         }
     }
