@@ -95,4 +95,10 @@ fn a_pinned_reproducer_is_a_row_of_parity_run() {
     let planted = run(Faults::only(Fault::BlockLeak));
     let paged = planted.rows.iter().find(|r| r.path == "paged").expect("paged row");
     assert!(!paged.pass && paged.failure.as_deref().unwrap_or_default().contains("KV pool books"), "{paged:#?}");
+    // A filter names a pinned script's row like any other (a `--bisect` on it must run it):
+    // the planning that decides what a filter selects runs the scripts too.
+    let id = paged.id();
+    let filtered = run_suite(&suite, &RunOptions { filter: Some(id.clone()), ..RunOptions::default() }, &NoProgress);
+    let ids: Vec<String> = filtered.rows.iter().map(|r| r.id()).collect();
+    assert_eq!(ids, [id], "{:#?}", filtered.rows);
 }

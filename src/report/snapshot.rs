@@ -205,6 +205,13 @@ fn row(s: &mut String, r: &Row, c: &super::CheckpointReport) {
         let _ = writeln!(s, "    reference_token: {}", d.choice.reference_token);
         let _ = writeln!(s, "    token: {}", d.choice.token);
     }
+    // A lossy row's numbers move with every BLAS; whether each bound held is what a reviewer
+    // accepts.
+    if !r.bounds.is_empty() {
+        let b: Vec<String> =
+            r.bounds.iter().map(|b| format!("{}: {}", b.name, if b.held { "held" } else { "broken" })).collect();
+        let _ = writeln!(s, "    bounds: {{{}}}", b.join(", "));
+    }
     let _ = writeln!(s, "    tokens: {}", ids(&r.tokens));
     if r.tokens != r.reference_tokens {
         let _ = writeln!(s, "    reference_tokens: {}", ids(&r.reference_tokens));
@@ -228,6 +235,8 @@ fn strip_numbers_after_rms(f: &str) -> String {
                 "max |delta logprob| over tolerance"
             } else if part.starts_with("not bitwise identical") {
                 "not bitwise identical"
+            } else if part.starts_with("distribution: ") {
+                "distribution outside its bounds"
             } else {
                 part
             }

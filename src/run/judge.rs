@@ -284,7 +284,7 @@ impl Judge<'_> {
             row.evidence = witness::steps(self.cell.scenario, &c.case, o, c.kv.as_ref(), path, &w);
         }
         row.pass = broken.is_empty();
-        row.failure = (!broken.is_empty()).then(|| format!("distribution: {}", broken.join("; ")));
+        row.failure = (!broken.is_empty()).then(|| format!("distribution: {}", broken.join(", ")));
         memory_claims(&mut row);
         if let Some(books) = &c.audit {
             fail_books(&mut row, books.clone());

@@ -61,6 +61,8 @@ pub(super) fn cell_selected(
     let mut reference = engine::Planning::new(r.config.vocab_size);
     let found = std::cell::Cell::new(false);
     let mut setup = Setup::new(&mut reference, spec.settings.clone(), Faults::NONE, pad);
+    // The pinned scripts name their rows too: without them a filter for one selects nothing.
+    setup.scripts = suite.step_scripts();
     setup.select(Some(Box::new(|prompt: &str, case: &str| {
         if filter.selects(&row_id(ck, prompt, sc, case, path)) {
             found.set(true);

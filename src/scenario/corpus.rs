@@ -40,7 +40,6 @@ fn read(setup: &mut Setup, path: &mut dyn EnginePath, p: &Prompt) -> Result<Case
     }
     let mut s = setup.open(path)?;
     let seq = s.create(0)?;
-    let started = Instant::now();
     let (samples, reference_time) = {
         let mut r = setup.reference_session()?;
         let rseq = r.create(0)?;
@@ -66,12 +65,7 @@ fn read(setup: &mut Setup, path: &mut dyn EnginePath, p: &Prompt) -> Result<Case
     };
     setup.add_reference_time(reference_time);
     let d = Distribution::of(&samples, CORPUS_TOP_K);
-    let note = format!(
-        "{} positions read teacher-forced, one token per forward; {:.1}s (reference {:.1}s)",
-        d.positions,
-        started.elapsed().as_secs_f64(),
-        reference_time.as_secs_f64()
-    );
+    let note = format!("{} positions read teacher-forced, one token per forward", d.positions);
     let observed = super::Observed { driven: s.driven.clone(), counters: s.counters()?, live: s.live_lengths()? };
     let mut c = CaseOutput {
         kv: s.stats()?,
