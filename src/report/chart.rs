@@ -389,3 +389,122 @@ mod tests {
         assert_eq!(guides(&layout, None, 0), [(2, Guide::Trim)]);
     }
 }
+
+/// A lossy checkpoint's paths as two panels: how KL is distributed over the corpus (its
+/// percentiles, 0 to 100, one curve per path) and how it grows with context (mean KL per
+/// position band). Log scale, the decades around what was measured; each point's tooltip says
+/// its value. `paths`: (path name, distribution).
+pub fn lossy_svg(checkpoint: &str, paths: &[(&str, &crate::vocab::Distribution)]) -> String {
+    const PALETTE: [&str; 6] = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"];
+    let (w, h, left, right, top, bottom, gap) = (760.0, 240.0, 52.0, 12.0, 22.0, 34.0, 40.0);
+    let panel_w = (w - left - right - gap) / 2.0;
+    let plot_h = h - top - bottom;
+    let positive = |v: f64| v > 0.0 && v.is_finite();
+    let all: Vec<f64> = paths
+        .iter()
+        .flat_map(|(_, d)| d.kl_percentiles.iter().copied().chain(d.by_position.iter().map(|b| b.kl_mean)))
+        .filter(|&v| positive(v))
+        .collect();
+    let (lo_v, hi_v) = all.iter().fold((f64::MAX, f64::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+    let (mut lo, hi) = if all.is_empty() {
+        (-6, 0)
+    } else {
+        (lo_v.log10().floor() as i32, (hi_v.log10().ceil() as i32).max(lo_v.log10().floor() as i32 + 1))
+    };
+    lo = lo.max(hi - MAX_DECADES);
+    let y = |v: f64| {
+        let l = if positive(v) { v.log10().clamp(f64::from(lo), f64::from(hi)) } else { f64::from(lo) };
+        N(top + plot_h * (f64::from(hi) - l) / f64::from(hi - lo))
+    };
+    let mut s = String::new();
+    let _ = write!(s, r#"<svg class="chart lossy" viewBox="0 0 {w} {h}" width="{w}" height="{h}" role="img">"#);
+    let _ = write!(s, "<title>{}</title>", xml(&format!("KL(reference || path) over the corpus, {checkpoint}")));
+    let bands = paths.iter().map(|(_, d)| d.by_position.len()).max().unwrap_or(0).max(1);
+    for (panel, title) in [(0usize, "KL percentiles over every position"), (1, "mean KL by context position")] {
+        let x0 = left + panel as f64 * (panel_w + gap);
+        let (px0, px1, py0, py1) = (N(x0), N(x0 + panel_w), N(top), N(top + plot_h));
+        let mut grid = String::new();
+        for d in lo..=hi {
+            let yy = y(10f64.powi(d));
+            let _ = write!(grid, "M{px0} {yy}H{px1}");
+            let _ = write!(s, r#"<text class="ty" x="{}" y="{}">1e{d}</text>"#, N(x0 - 4.0), N(yy.0 + 3.5));
+        }
+        let _ = write!(s, r#"<path class="grid" d="{grid}"/>"#);
+        let _ =
+            write!(s, r#"<text class="tx" x="{}" y="{}">{}</text>"#, N(x0 + panel_w / 2.0), N(top - 8.0), xml(title));
+        let x = |k: f64, n: f64| N(x0 + if n <= 1.0 { panel_w / 2.0 } else { panel_w * k / (n - 1.0) });
+        if panel == 0 {
+            for q in [0usize, 50, 90, 99, 100] {
+                let _ = write!(
+                    s,
+                    r#"<text class="tx" x="{}" y="{}">p{q}</text>"#,
+                    x(q as f64, 101.0),
+                    N(h - bottom + 12.0)
+                );
+            }
+        } else if let Some((_, d)) = paths.iter().max_by_key(|(_, d)| d.by_position.len()) {
+            for (k, b) in d.by_position.iter().enumerate() {
+                let _ = write!(
+                    s,
+                    r#"<text class="tx" x="{}" y="{}">{}</text>"#,
+                    x(k as f64, bands as f64),
+                    N(h - bottom + 12.0),
+                    b.from
+                );
+            }
+            let _ = write!(s, r#"<text class="tx" x="{}" y="{}">position</text>"#, px1, N(h - 3.0));
+        }
+        for (i, (name, d)) in paths.iter().enumerate() {
+            let color = PALETTE[i % PALETTE.len()];
+            let points: Vec<(N, N, String)> = if panel == 0 {
+                let n = d.kl_percentiles.len() as f64;
+                d.kl_percentiles
+                    .iter()
+                    .enumerate()
+                    .map(|(q, &v)| (x(q as f64, n), y(v), format!("{name}: p{q} KL {v:.3e}")))
+                    .collect()
+            } else {
+                d.by_position
+                    .iter()
+                    .enumerate()
+                    .map(|(k, b)| {
+                        (
+                            x(k as f64, bands as f64),
+                            y(b.kl_mean),
+                            format!(
+                                "{name}: positions {}-{}: mean KL {:.3e} ({} positions)",
+                                b.from, b.to, b.kl_mean, b.positions
+                            ),
+                        )
+                    })
+                    .collect()
+            };
+            let line: String = points
+                .iter()
+                .enumerate()
+                .map(|(k, (px, py, _))| format!("{}{px} {py}", if k == 0 { "M" } else { "L" }))
+                .collect();
+            let _ = write!(s, r#"<path fill="none" stroke="{color}" stroke-width="1.5" d="{line}"/>"#);
+            let every = if panel == 0 { 10 } else { 1 };
+            for (px, py, tip) in points.iter().step_by(every) {
+                let _ = write!(
+                    s,
+                    r#"<circle fill="{color}" cx="{px}" cy="{py}" r="2.5"><title>{}</title></circle>"#,
+                    xml(tip)
+                );
+            }
+            if panel == 0 {
+                let _ = write!(
+                    s,
+                    r#"<text x="{}" y="{}" fill="{color}" font-size="11">{}</text>"#,
+                    N(x0 + 6.0),
+                    N(top + 12.0 + 13.0 * i as f64),
+                    xml(name)
+                );
+            }
+        }
+        let _ = write!(s, r#"<rect class="frame" x="{px0}" y="{py0}" width="{}" height="{}"/>"#, N(panel_w), N(plot_h));
+    }
+    s.push_str("</svg>");
+    s
+}

@@ -78,6 +78,7 @@ pub fn render(report: &Report) -> String {
 
     let groups = groups(&report.rows);
     summary(&mut out, &groups);
+    lossy(&mut out, report);
     failures(&mut out, report);
     multiples(&mut out, report, &groups);
     tail(&mut out, report);
@@ -378,6 +379,42 @@ fn tokens(out: &mut String, row: &Row) {
 }
 
 /// Every group's rows as small multiples; failing groups open.
+/// Lossy paths (`corpus` rows): the distribution table, then per checkpoint its KL
+/// percentiles and KL by position as a chart.
+fn lossy(out: &mut String, report: &Report) {
+    let table = super::describe::distribution_table(&report.rows);
+    let Some((header, rows)) = table.split_first() else { return };
+    out.push_str("<section><h2>Lossy paths over their corpus</h2>\n<table><thead><tr>");
+    for h in header {
+        let _ = write!(out, "<th>{}</th>", esc(h));
+    }
+    out.push_str("</tr></thead><tbody>\n");
+    for r in rows {
+        out.push_str("<tr>");
+        for c in r {
+            let _ = write!(out, "<td>{}</td>", esc(c));
+        }
+        out.push_str("</tr>\n");
+    }
+    out.push_str("</tbody></table>\n");
+    let mut names: Vec<&str> = Vec::new();
+    for r in report.rows.iter().filter(|r| r.distribution.is_some()) {
+        if !names.contains(&r.checkpoint.as_str()) {
+            names.push(&r.checkpoint);
+        }
+    }
+    for name in names {
+        let paths: Vec<(&str, &crate::vocab::Distribution)> = report
+            .rows
+            .iter()
+            .filter(|r| r.checkpoint == name)
+            .filter_map(|r| Some((r.path.as_str(), r.distribution.as_ref()?)))
+            .collect();
+        let _ = writeln!(out, "<h3>{}</h3>{}", esc(name), super::chart::lossy_svg(name, &paths));
+    }
+    out.push_str("</section>\n");
+}
+
 fn multiples(out: &mut String, report: &Report, groups: &[Vec<&Row>]) {
     out.push_str("<section><h2>All rows</h2>\n");
     for (i, g) in groups.iter().enumerate() {
