@@ -108,6 +108,7 @@ fn quantized_caches_on_the_fixture_are_ordered_by_bits() {
     assert!(q4.kl.mean > q8.kl.mean && q4.kl.p99 > q8.kl.p99, "q8 {:?} q4 {:?}", q8.kl, q4.kl);
     assert!(q4.dp_rms > q8.dp_rms);
     assert!(row(&r, "corpus", "q8")[0].verdict == Verdict::Within);
+    assert!(out.contains("1 within"), "the group lines count `within` rows: {out}");
     let md = std::fs::read_to_string(md).expect("markdown");
     assert!(md.contains("### Lossy paths over their corpus") && md.contains("| q4 |"), "{md}");
 }

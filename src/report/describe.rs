@@ -8,8 +8,15 @@ use super::{CheckpointReport, DivergenceReport, Row};
 use crate::compare::TOP_K;
 use crate::vocab::{Distribution, Status, Verdict};
 
-const VERDICTS: [Verdict; 6] =
-    [Verdict::Identical, Verdict::NearTie, Verdict::Vacuous, Verdict::Diverged, Verdict::Error, Verdict::Skipped];
+const VERDICTS: [Verdict; 7] = [
+    Verdict::Identical,
+    Verdict::Within,
+    Verdict::NearTie,
+    Verdict::Vacuous,
+    Verdict::Diverged,
+    Verdict::Error,
+    Verdict::Skipped,
+];
 
 /// A row that counts as failed in the summary (see `Summary::of`).
 pub fn failing(row: &Row) -> bool {
