@@ -2,6 +2,7 @@
 //! embedding (whose quantized form doubles as a tied output projection), RMSNorm (with
 //! Gemma's `1 + w` gain), gated MLP (SwiGLU, or GELU for Gemma).
 
+use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::{Array, Dtype};
 
 use crate::checkpoint::weights::{Expect, packed_layout};
@@ -153,7 +154,16 @@ impl Stacked {
     /// Each projection of `x`, in the order given to [`Stacked::new`].
     pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
         match self {
-            Stacked::One { linear, split_at } => Ok(linear.forward(x)?.split_at_indices(split_at, -1)?),
+            // Slices, not `split`: MLX 0.32's CUDA RoPE allocates its output at a split
+            // piece's element count but writes through the piece's strides, past the buffer
+            // (llama and SmolLM2 garbage on a GPU; docs/gpu.md). A slice of the same strides
+            // is read correctly on every backend.
+            Stacked::One { linear, split_at } => {
+                let y = linear.forward(x)?;
+                let total = *y.shape().last().unwrap_or(&0);
+                let bounds: Vec<i32> = std::iter::once(0).chain(split_at.iter().copied()).chain([total]).collect();
+                Ok(bounds.windows(2).map(|w| y.index((Ellipsis, w[0]..w[1]))).collect())
+            }
             Stacked::Many(parts) => parts.iter().map(|p| p.forward(x)).collect(),
         }
     }

@@ -249,7 +249,15 @@ impl Model {
             // Two rows of one sequence would reserve and write the same rows twice.
             return Err(Error::Invalid(format!("sequence {} appears twice in one step", dup.0)));
         }
-        let (b, t) = (ids.shape()[0], ids.shape()[1] as usize);
+        // A device error earlier leaves MLX's empty arrays behind (mlx-c returns one when an
+        // operation throws): an error here, never an index panic.
+        let [b, t] = *ids.shape() else {
+            return Err(Error::Invalid(format!(
+                "token ids of shape {:?}, expected [rows, tokens] (a device error upstream?)",
+                ids.shape()
+            )));
+        };
+        let t = t as usize;
         let ctx = self.config.max_position_embeddings;
         let mut starts = Vec::with_capacity(seqs.len());
         let mut masked = Vec::with_capacity(seqs.len());
