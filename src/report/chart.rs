@@ -349,47 +349,6 @@ fn tooltip(row: &Row, series: &Series, place: Option<&StepPlace>, k: usize) -> S
     t
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn places(steps: &[(usize, usize, usize)]) -> Vec<StepPlace> {
-        let each = steps.iter().map(|&(kv_row, position, pads_trimmed)| StepPlace {
-            step: 0,
-            kv_row,
-            position,
-            pads_trimmed,
-            rolled_back: 0,
-        });
-        StepPlace::expand(&StepPlace::runs(each), steps.len())
-    }
-
-    #[test]
-    fn coordinates_are_short() {
-        assert_eq!(N(40.0).to_string(), "40");
-        assert_eq!(N(59.46).to_string(), "59.5");
-        assert_eq!(N(-0.04).to_string(), "0");
-    }
-
-    #[test]
-    fn guides_mark_boundaries_and_rewinds() {
-        // Steps fed rows 15, 16, 17, then a rewind to 16.
-        let steps = [(15, 15, 0), (16, 16, 0), (17, 17, 0), (16, 16, 0)];
-        let layout = places(&steps);
-        assert_eq!(StepPlace::runs(layout.clone()).len(), 2, "a run, then the rewind");
-        assert_eq!(layout[2], StepPlace { step: 2, kv_row: 17, position: 17, pads_trimmed: 0, rolled_back: 0 });
-        let g = guides(&layout, Some(8), 16);
-        assert_eq!(g, [(1, Guide::Block), (1, Guide::Tile), (3, Guide::Trim), (3, Guide::Block), (3, Guide::Tile)]);
-        // Dense path: no blocks; trimmed pads at step 0 count as a trim.
-        let g = guides(&places(&[(47, 36, 11), (48, 37, 11)]), None, 16);
-        assert_eq!(g, [(0, Guide::Trim)]);
-        // A rollback leaves the fed rows contiguous; its count says where it happened.
-        let mut layout = places(&[(5, 5, 0), (6, 6, 0), (7, 7, 0)]);
-        layout[2].rolled_back = 3;
-        assert_eq!(guides(&layout, None, 0), [(2, Guide::Trim)]);
-    }
-}
-
 /// A lossy checkpoint's paths as two panels: how KL is distributed over the corpus (its
 /// percentiles, 0 to 100, one curve per path) and how it grows with context (mean KL per
 /// position band). Log scale, the decades around what was measured; each point's tooltip says
@@ -422,7 +381,7 @@ pub fn lossy_svg(checkpoint: &str, paths: &[(&str, &crate::vocab::Distribution)]
     let bands = paths.iter().map(|(_, d)| d.by_position.len()).max().unwrap_or(0).max(1);
     for (panel, title) in [(0usize, "KL percentiles over every position"), (1, "mean KL by context position")] {
         let x0 = left + panel as f64 * (panel_w + gap);
-        let (px0, px1, py0, py1) = (N(x0), N(x0 + panel_w), N(top), N(top + plot_h));
+        let (px0, px1, py0) = (N(x0), N(x0 + panel_w), N(top));
         let mut grid = String::new();
         for d in lo..=hi {
             let yy = y(10f64.powi(d));
@@ -507,4 +466,45 @@ pub fn lossy_svg(checkpoint: &str, paths: &[(&str, &crate::vocab::Distribution)]
     }
     s.push_str("</svg>");
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn places(steps: &[(usize, usize, usize)]) -> Vec<StepPlace> {
+        let each = steps.iter().map(|&(kv_row, position, pads_trimmed)| StepPlace {
+            step: 0,
+            kv_row,
+            position,
+            pads_trimmed,
+            rolled_back: 0,
+        });
+        StepPlace::expand(&StepPlace::runs(each), steps.len())
+    }
+
+    #[test]
+    fn coordinates_are_short() {
+        assert_eq!(N(40.0).to_string(), "40");
+        assert_eq!(N(59.46).to_string(), "59.5");
+        assert_eq!(N(-0.04).to_string(), "0");
+    }
+
+    #[test]
+    fn guides_mark_boundaries_and_rewinds() {
+        // Steps fed rows 15, 16, 17, then a rewind to 16.
+        let steps = [(15, 15, 0), (16, 16, 0), (17, 17, 0), (16, 16, 0)];
+        let layout = places(&steps);
+        assert_eq!(StepPlace::runs(layout.clone()).len(), 2, "a run, then the rewind");
+        assert_eq!(layout[2], StepPlace { step: 2, kv_row: 17, position: 17, pads_trimmed: 0, rolled_back: 0 });
+        let g = guides(&layout, Some(8), 16);
+        assert_eq!(g, [(1, Guide::Block), (1, Guide::Tile), (3, Guide::Trim), (3, Guide::Block), (3, Guide::Tile)]);
+        // Dense path: no blocks; trimmed pads at step 0 count as a trim.
+        let g = guides(&places(&[(47, 36, 11), (48, 37, 11)]), None, 16);
+        assert_eq!(g, [(0, Guide::Trim)]);
+        // A rollback leaves the fed rows contiguous; its count says where it happened.
+        let mut layout = places(&[(5, 5, 0), (6, 6, 0), (7, 7, 0)]);
+        layout[2].rolled_back = 3;
+        assert_eq!(guides(&layout, None, 0), [(2, Guide::Trim)]);
+    }
 }
