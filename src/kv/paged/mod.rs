@@ -551,7 +551,9 @@ impl PagedBlockPool {
         for (g, group) in self.groups.iter().enumerate() {
             let table = &s.tables[g];
             let need = group.reach(len) / bs;
-            for tag in table.released.get(need..).unwrap_or(&[]) {
+            // Only the blocks the cut keeps: tags past its new end are dropped, not taken back.
+            let keep = len.div_ceil(bs).min(table.released.len());
+            for tag in table.released.get(need..keep).unwrap_or(&[]) {
                 if !self.revivable(g, *tag) {
                     return Err(Error::Kv(format!(
                         "sequence {} cut back to {len} rows needs rows {}..{} again, which had left its \
