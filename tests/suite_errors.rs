@@ -77,7 +77,7 @@ fn prompt_needs_exactly_one_source() {
     assert_at(
         &GOOD.replace("text = \"hello\"", "text = \"hello\"\nchat = \"hi\""),
         5,
-        "exactly one of text, chat or ids",
+        "exactly one of text, chat, ids or file",
     );
 }
 
