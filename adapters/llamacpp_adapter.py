@@ -3,6 +3,7 @@ low-level bindings, built by ci/llama-cpp), on the adapter kit (parity_adapter.p
 
     ci/llama-cpp adapters/llamacpp_adapter.py --model SmolLM2.gguf --layout per-seq|streams|unified
         [--flash-attn on|off] [--type-k f16|q8_0|q4_0|...] [--type-v ...] [--threads 2]
+        [--ctx 512] [--ubatch N] [--swa-full on|off]
 
 Layouts (how parity's sequences map onto llama.cpp's memory):
 - per-seq: one llama_context per sequence (n_seq_max 1): every sequence alone in its own KV
@@ -19,19 +20,33 @@ per-seq copies the donor context's sequence state into a fresh context (llama_st
 / set_data) and removes the rows past the prefix, `copy`. Masked prefixes are not offered: every
 layout would have to emulate them.
 
+A model with sliding-window layers (Gemma 3) gets llama.cpp's iSWA memory: a base cache for the
+global layers and a window cache for the sliding ones, both holding every cell while swa_full is
+on (llama_context_default_params' choice, kept unless --swa-full says otherwise; llama-server's
+default is off: window + ubatch cells). The window cache keeps only what a sequence's next token
+attends to, so a trim or a copied prefix can leave a sequence without rows its window still
+reaches: llama.cpp accepts the cut and computes over what is left; the adapter checks
+llama_memory_seq_pos_min as llama-server does and fails the request instead (check_window).
+
 What the adapter reports is read back from llama.cpp, never from its own bookkeeping:
 - lengths and trims from llama_memory_seq_pos_max (a trim that removed nothing reads as such);
 - the counters from the graphs llama.cpp computed (its eval callback sees each graph's `embd`,
   whose width is the tokens computed, and `result_output`, whose width is the logits rows, one
   per sequence of the forward): model calls, tokens and the most sequences in one call;
 - KV memory from llama.cpp's own serialisation of its cells (llama_state_seq_get_data of every
-  sequence): which cells are used, which sequences each holds, and the type and row size every
-  layer's K and V are stored in. kv_row_bytes is what the asked types cost (ggml's block
-  sizes); a cache that stored another type than asked fails parity's row-bytes check.
+  sequence), one section per KV cache of the memory (Cells): which cells each cache uses, which
+  sequences each cell holds, and the type and row size every layer's K and V are stored in.
+  kv_row_bytes is what the asked types cost over every layer (ggml's block sizes); a cache that
+  stored another type than asked fails parity's row-bytes check. With two caches, each is counted
+  at its own row (its layers' K and V as stored): bytes_in_use is the cells each holds, and
+  bytes_live the live rows at the sum of the caches' rows, so that a window cache holding fewer
+  of a sequence's rows than the base cache changes what is held, not what a row costs
+  (LlamaCpp.memory).
 """
 
 import argparse
 import ctypes
+import re
 import struct
 import sys
 
@@ -65,12 +80,22 @@ def row_size(kind, n):
 
 
 # llama.cpp logs every context it makes at INFO; its warnings and errors (ggml's levels 3 and
-# 4) go to stderr, whose tail parity prints with any error. Module-level: ctypes frees a callback
-# whose Python object is collected.
+# 4) go to stderr, whose tail parity prints with any error. Of the INFO lines one is kept: each
+# KV cache llama.cpp allocates says how many cells a stream of it has, its layers and its streams
+# (llama-kv-cache.cpp, llama_kv_cache's constructor), in the order the caches are made (iSWA:
+# the base cache, then the window cache, as they are serialised). Module-level: ctypes frees a
+# callback whose Python object is collected.
+CACHE_LINE = re.compile(rb"^llama_kv_cache: size = +[0-9.]+ MiB \( *(\d+) cells, +(\d+) layers, +\d+/(\d+) seqs\)")
+CACHES_MADE = []  # (cells per stream, layers, streams) of each cache, since the last context
+
+
 @L.llama_log_callback
 def log(level, text, _user):
     if level in (3, 4):
         sys.stderr.write(text.decode(errors="replace"))
+    m = CACHE_LINE.match(text)
+    if m:
+        CACHES_MADE.append(tuple(int(g) for g in m.groups()))
 
 
 class Tensor(ctypes.Structure):
@@ -120,18 +145,63 @@ class Graphs:
         return True
 
 
-class Cells:
-    """One context's KV cells as llama.cpp serialises them (llama-kv-cache.cpp state_write)."""
+class Section:
+    """One KV cache of a context's memory as llama.cpp serialises it: its used cells (the
+    sequence ids each holds), how many of its layers a cell spans, and what a cell stores."""
 
-    def __init__(self, data):
+    def __init__(self, name):
+        self.name = name
+        self.n_stream = 0
+        self.seqs = []  # per used cell: the sequence ids it holds
+        self.n_layer = 0  # layers a cell of this cache spans (0: no cell to say)
+        self.row_bytes = 0  # K and V of one cell over those layers, as stored
+        self.types = set()
+
+    def rows(self):
+        """Rows of sequences it holds: each cell once per sequence that holds it."""
+        return sum(len(s) for s in self.seqs)
+
+
+class Cells:
+    """One context's KV memory as llama_state_seq_get_data(-1) serialises it
+    (llama-context.cpp state_seq_get_data): the magic and the sequence id, then one section
+    per KV cache of the memory, each as llama_kv_cache::state_write writes it (llama-kv-cache.cpp:
+    its stream count, then per stream its used cells, each cell's position and sequence ids
+    (state_write_meta), and per layer the K then the V type, row size and rows of those cells
+    (state_write_data)). A plain llama_kv_cache is one section. llama_kv_cache_iswa (a model with
+    sliding-window layers, Gemma 3) is two, one after the other, with no length between them
+    (llama-kv-cache-iswa.cpp state_write): its base cache (the global layers) and its window
+    cache (the sliding layers). Every byte must be accounted for, section after section, and
+    together the sections must span the model's layers: a state laid out otherwise is refused,
+    never guessed at."""
+
+    def __init__(self, data, sections=("kv",), n_layer=None):
         self.data, self.at = data, 0
-        magic, _seq, n_stream = self.take("<IiI")
+        magic, _seq = self.take("<Ii")
         if magic != STATE_MAGIC:
             raise RequestError(f"llama.cpp's sequence state starts with {magic:#x}, not {STATE_MAGIC:#x}")
-        self.seqs = []  # per used cell: the sequence ids it holds
-        self.row_bytes = 0  # K and V of one cell, all layers, as stored
-        self.types = set()
-        for _ in range(n_stream):
+        self.sections = [self.section(name) for name in sections]
+        if self.at != len(self.data):
+            raise RequestError(
+                f"llama.cpp's sequence state is {len(self.data)} bytes, its {len(sections)} cache(s) "
+                f"({', '.join(sections)}) account for {self.at}: a state format this adapter does not know"
+            )
+        if len({s.n_stream for s in self.sections}) > 1:
+            raise RequestError(f"llama.cpp's caches have {[s.n_stream for s in self.sections]} streams, not one count")
+        spanned = [s.n_layer for s in self.sections]
+        if n_layer is not None and all(s.seqs for s in self.sections) and sum(spanned) != n_layer:
+            raise RequestError(f"llama.cpp's caches span {spanned} layers, not the model's {n_layer}")
+        # What the adapter reads everywhere else: the cells of the first cache (a plain cache's
+        # only one; iSWA's base cache, which llama.cpp keeps a superset of the window cache,
+        # llama_kv_cache_iswa::seq_pos_min), and what one row costs over every layer.
+        self.seqs = self.sections[0].seqs
+        self.row_bytes = sum(s.row_bytes for s in self.sections)
+        self.types = set().union(*(s.types for s in self.sections))
+
+    def section(self, name):
+        sec = Section(name)
+        (sec.n_stream,) = self.take("<I")
+        for _ in range(sec.n_stream):
             (count,) = self.take("<I")
             if count == 0:
                 continue
@@ -139,14 +209,14 @@ class Cells:
             for _ in range(count):
                 _pos, n = self.take("<iI")
                 cells.append(self.take(f"<{n}i"))
-            self.seqs.extend(cells)
+            sec.seqs.extend(cells)
             v_trans, n_layer = self.take("<II")
             row = 0
             for _ in range(n_layer):
                 kind, size = self.take("<iQ")
                 row += size
-                self.types.add(("K", TYPE_NAMES.get(kind, f"ggml type {kind}")))
-                self.at += size * count
+                sec.types.add(("K", TYPE_NAMES.get(kind, f"ggml type {kind}")))
+                self.skip(size * count)
             for _ in range(n_layer):
                 if v_trans:
                     kind, el, n_embd = self.take("<iII")
@@ -154,16 +224,15 @@ class Cells:
                 else:
                     kind, size = self.take("<iQ")
                 row += size
-                self.types.add(("V", TYPE_NAMES.get(kind, f"ggml type {kind}")))
-                self.at += size * count
-            if self.row_bytes and row != self.row_bytes:
-                raise RequestError(f"llama.cpp's streams store rows of {self.row_bytes} and {row} bytes")
-            self.row_bytes = row
-        if self.at != len(self.data):
-            raise RequestError(
-                f"llama.cpp's sequence state is {len(self.data)} bytes, its cells account for {self.at}: "
-                "a state format this adapter does not know"
-            )
+                sec.types.add(("V", TYPE_NAMES.get(kind, f"ggml type {kind}")))
+                self.skip(size * count)
+            if sec.row_bytes and (row, n_layer) != (sec.row_bytes, sec.n_layer):
+                raise RequestError(
+                    f"llama.cpp's {name} cache has streams of {sec.n_layer} and {n_layer} layers, "
+                    f"rows of {sec.row_bytes} and {row} bytes"
+                )
+            sec.row_bytes, sec.n_layer = row, n_layer
+        return sec
 
     def take(self, fmt):
         n = struct.calcsize(fmt)
@@ -173,30 +242,51 @@ class Cells:
         self.at += n
         return out
 
+    def skip(self, n):
+        if self.at + n > len(self.data):
+            raise RequestError("llama.cpp's sequence state ends early")
+        self.at += n
+
 
 class Context:
-    """A llama_context and the llama.cpp sequence ids it has free."""
+    """A llama_context, the llama.cpp sequence ids it has free, and the KV caches of its memory
+    (one, or iSWA's two: base and window), each with the cells llama.cpp allocated for it."""
 
     def __init__(self, engine, n_seq, unified):
         p = L.llama_context_default_params()
         p.n_seq_max = n_seq
         p.n_ctx = engine.ctx_per_seq * n_seq
-        p.n_batch = p.n_ubatch = engine.ctx_per_seq
+        # A forward may hold every sequence's rows (llama_decode asserts, and aborts the process,
+        # on a batch of more tokens than n_batch); a graph holds at most one sequence's worth.
+        p.n_batch = engine.ctx_per_seq * n_seq
+        p.n_ubatch = engine.args.ubatch or engine.ctx_per_seq
         p.kv_unified = unified
         p.flash_attn_type = FLASH[engine.args.flash_attn]
         p.type_k = KV_TYPES[engine.args.type_k][0]
         p.type_v = KV_TYPES[engine.args.type_v][0]
+        if engine.args.swa_full != "default":
+            p.swa_full = engine.args.swa_full == "on"
         p.n_threads = p.n_threads_batch = engine.args.threads
         p.cb_eval = engine.graphs.callback
         p.no_perf = True
+        CACHES_MADE.clear()
         self.ctx = L.llama_init_from_model(engine.model, p)
         if not self.ctx:
             raise RequestError(
                 f"llama_init_from_model refused the context (n_seq_max {n_seq}, flash attention "
                 f"{engine.args.flash_attn}, K {engine.args.type_k}, V {engine.args.type_v}); its log is on stderr"
             )
+        self.engine = engine
+        self.sections = engine.sections
+        if len(CACHES_MADE) != len(self.sections):
+            raise RequestError(
+                f"llama.cpp logged {len(CACHES_MADE)} KV caches for this context, the adapter expects "
+                f"{len(self.sections)} ({', '.join(self.sections)})"
+            )
+        # Cells llama.cpp allocated per cache, all streams: what bytes_reserved counts.
+        self.cells_made = [cells * streams for cells, _layers, streams in CACHES_MADE]
+        self.layers_made = [layers for _cells, layers, _streams in CACHES_MADE]
         self.mem = L.llama_get_memory(self.ctx)
-        self.cells_total = L.llama_n_ctx(self.ctx)
         self.free = list(range(n_seq))[::-1]
 
     def length(self, sid):
@@ -208,7 +298,7 @@ class Context:
         got = L.llama_state_seq_get_data(self.ctx, buf, n, -1)
         if got != n:
             raise RequestError(f"llama_state_seq_get_data wrote {got} of {n} bytes")
-        return Cells(bytes(buf))
+        return Cells(bytes(buf), self.sections, self.engine.n_layer)
 
 
 class LlamaCpp(Engine):
@@ -224,6 +314,7 @@ class LlamaCpp(Engine):
         self.seqs = {}  # protocol seq -> (Context, llama.cpp seq id)
         self.next_id = 0
         self.told = set()  # the stored K/V types last written to stderr
+        self.last_cells = None
 
     def load(self, model, path, settings):
         L.llama_log_set(log, None)
@@ -233,10 +324,20 @@ class LlamaCpp(Engine):
         if not self.model:
             raise RequestError(f"{self.args.model}: llama.cpp could not load this GGUF")
         self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
-        n_layer = L.llama_model_n_layer(self.model)
+        if L.llama_model_is_recurrent(self.model) or L.llama_model_is_hybrid(self.model):
+            raise RequestError(f"{self.args.model}: a recurrent or hybrid memory, whose state this adapter does not read")
+        self.n_layer = n_layer = L.llama_model_n_layer(self.model)
+        # A sliding window: llama.cpp gives the model an iSWA memory, two KV caches (a base one
+        # for the global layers, a window one for the sliding layers), serialised one after the
+        # other (llama-model.cpp create_memory; llama-kv-cache-iswa.cpp).
+        self.n_swa = L.llama_model_n_swa(self.model)
+        self.sections = ("base", "window") if self.n_swa > 0 else ("kv",)
         heads = L.llama_model_n_head_kv(self.model)
         k, v = (heads * self.head_dim(kind) for kind in ("key", "value"))
-        self.kv_row_bytes = n_layer * (row_size(self.args.type_k, k) + row_size(self.args.type_v, v))
+        # One row, one token over every layer, in the types asked: K and V of each layer are in
+        # exactly one of the caches, so a row costs this whichever cache keeps which layer.
+        self.layer_bytes = row_size(self.args.type_k, k) + row_size(self.args.type_v, v)
+        self.kv_row_bytes = n_layer * self.layer_bytes
         self.batch = L.llama_batch_init(self.ctx_per_seq * self.args.n_seq, 0, 1)
         self.reset()
 
@@ -317,6 +418,8 @@ class LlamaCpp(Engine):
                     outs.append(n)
                 n += 1
         b.n_tokens = n
+        if n > L.llama_n_batch(ctx.ctx):
+            raise RequestError(f"a forward of {n} tokens is more than llama.cpp's n_batch {L.llama_n_batch(ctx.ctx)}")
         rc = L.llama_decode(ctx.ctx, b)
         if rc != 0:
             raise RequestError(f"llama_decode returned {rc} for {len(rows)} rows of {len(rows[0].tokens)} tokens")
@@ -333,7 +436,32 @@ class LlamaCpp(Engine):
             raise RequestError(f"llama_memory_seq_rm refused to remove rows {before - n}.. of sequence {seq}")
         after = ctx.length(sid)
         self.trimmed += before - after
+        self.check_window(ctx, sid, f"sequence {seq} trimmed to {after} rows")
         return before - after, after
+
+    def check_window(self, ctx, sid, what):
+        """A sequence cut back (a trim, a copied prefix) must still hold every row its next
+        token's window reaches. llama.cpp's window cache keeps only what the sequence's last
+        position needs (llama_state_seq_get_data of one sequence leaves out the cells outside
+        that window; with swa_full off find_slot overwrites them), llama_memory_seq_rm returns
+        true all the same and llama_decode then attends to what is left (ci/repro/
+        llamacpp_swa_cut.py). llama_memory_seq_pos_min says what is there; llama-server checks it
+        (server-context.cpp, pos_min_thold) and reprocesses the prompt. So does this adapter,
+        and refuses what llama.cpp can no longer compute (a standard window: the next position p
+        attends to p - n_swa + 1 ..)."""
+        if self.n_swa <= 0:
+            return
+        length = ctx.length(sid)
+        if length == 0:
+            return
+        need = max(0, length - self.n_swa + 1)
+        have = L.llama_memory_seq_pos_min(ctx.mem, sid)
+        if have > need:
+            raise RequestError(
+                f"{what}: llama.cpp's window cache holds it from position {have}, the window of its next "
+                f"position {length} reaches back to {need} (rows the window had already left are gone; "
+                "llama_memory_seq_rm returned true)"
+            )
 
     def release(self, seq):
         ctx, sid = self.seqs.pop(seq)
@@ -364,6 +492,7 @@ class LlamaCpp(Engine):
         got = ctx.length(sid)
         if got != rows:
             raise RequestError(f"the new sequence holds {got} rows of the donor's, not {rows}")
+        self.check_window(ctx, sid, f"a copy of sequence {donor}'s first {rows} rows")
         if mode == "share":
             self.shared += rows
         else:
@@ -372,14 +501,34 @@ class LlamaCpp(Engine):
         return seq, mode
 
     def memory(self):
+        """KV memory over every context, read from llama.cpp's serialised cells (Cells), each
+        cache of a context counted at what one of its cells stores (K and V over its layers):
+
+        - bytes_in_use: the cells every cache holds, each once, at its cache's row size: what is
+          held. An iSWA window cache holds at most its window (plus a ubatch) of a sequence's
+          rows once llama.cpp overwrites cells that left the window (swa_full off), so this is
+          less than the rows times a whole row;
+        - bytes_live: the live rows of the sequences (the cache that holds the most: a plain
+          cache's cells, iSWA's base cache, each cell once per sequence holding it) at what one
+          row is stored in, summed over the caches. A window cache that no longer holds a
+          sequence's oldest rows does not lower it: a row's cost is measured in every cache from
+          the rows it does hold, and parity's row-bytes check (bytes_live / live rows against
+          kv_row_bytes, every layer in the types asked) stays a check of what each cache stores
+          per row, not of how many rows a window keeps;
+        - bytes_reserved: the cells llama.cpp allocated for each cache (its log), at that
+          cache's row size (as the types cost, for a cache that holds no cell yet).
+        """
         live = in_use = reserved = 0
         types = set()
         for c in self.contexts:
             cells = c.cells()
-            live += sum(len(s) for s in cells.seqs) * cells.row_bytes
-            in_use += len(cells.seqs) * cells.row_bytes
-            reserved += c.cells_total * (cells.row_bytes or self.kv_row_bytes)
+            rows = max(sec.rows() for sec in cells.sections)
+            live += rows * cells.row_bytes
+            for sec, made, layers in zip(cells.sections, c.cells_made, c.layers_made):
+                in_use += len(sec.seqs) * sec.row_bytes
+                reserved += made * (sec.row_bytes or layers * self.layer_bytes)
             types |= cells.types
+            self.last_cells = cells
         return live, in_use, reserved, types
 
     def note_peak(self):
@@ -390,6 +539,12 @@ class LlamaCpp(Engine):
         if types and types != self.told:
             self.told = types
             print(f"llama.cpp stores {', '.join(f'{a} as {t}' for a, t in sorted(types))}", file=sys.stderr)
+            for sec in self.last_cells.sections if len(self.sections) > 1 else ():
+                print(
+                    f"  its {sec.name} cache: {sec.n_layer} layers, {sec.row_bytes} bytes a cell "
+                    f"({sec.n_layer * self.layer_bytes} in the types asked), {len(sec.seqs)} cells held",
+                    file=sys.stderr,
+                )
         g = self.graphs
         return {
             "bytes_live": live,
@@ -416,7 +571,15 @@ def main():
     p.add_argument("--type-v", choices=tuple(KV_TYPES), default="f16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--n-seq", type=int, default=8, help="sequences one context holds (streams, unified)")
-    p.add_argument("--ctx", type=int, default=512, help="KV rows per sequence")
+    p.add_argument("--ctx", type=int, default=512, help="KV rows per sequence (n_batch: that for every sequence of the context)")
+    p.add_argument("--ubatch", type=int, default=0, help="n_ubatch: rows of one graph (default: --ctx)")
+    p.add_argument(
+        "--swa-full",
+        choices=("default", "on", "off"),
+        default="default",
+        help="a sliding-window model's window cache as large as the base one (llama_context_default_params: "
+        "on; llama-server's default: off, window + ubatch cells)",
+    )
     serve(LlamaCpp(p.parse_args()))
 
 
