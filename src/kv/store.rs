@@ -12,6 +12,8 @@
 //! when nothing else holds it, so a write touches only its rows; that is why every layer's
 //! arrays are separate (one array shared by two layers could not be donated).
 
+use std::rc::Rc;
+
 use mlx_rs::Array;
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 
@@ -184,22 +186,67 @@ impl RowStore {
 /// A one-entry cache keyed by what its value was built from: every use compares the key, so a
 /// stale value can never be served (no invalidation to forget). Every layer of a step asks for
 /// the same gather index or mask; this builds it once.
-pub(crate) struct Memo<K, V>(std::cell::RefCell<Option<(K, V)>>);
+///
+/// The value is shared, never cloned: mlx-rs's `Array::clone` panics on an array a failed device
+/// operation left empty (seen on MLX's CUDA backend after an illegal memory access), where the
+/// next MLX operation on it returns an error that reaches the row.
+pub(crate) struct Memo<K, V>(std::cell::RefCell<Option<(K, Rc<V>)>>);
 
-impl<K: PartialEq, V: Clone> Memo<K, V> {
+impl<K: PartialEq, V> Memo<K, V> {
     pub(crate) fn new() -> Self {
         Memo(std::cell::RefCell::new(None))
     }
 
-    pub(crate) fn get_or_try(&self, key: K, build: impl FnOnce(&K) -> Result<V>) -> Result<V> {
+    pub(crate) fn get_or_try(&self, key: K, build: impl FnOnce(&K) -> Result<V>) -> Result<Rc<V>> {
         let mut slot = self.0.borrow_mut();
         if let Some((k, v)) = slot.as_ref()
             && *k == key
         {
-            return Ok(v.clone());
+            return Ok(Rc::clone(v));
         }
-        let v = build(&key)?;
-        *slot = Some((key, v.clone()));
+        let v = Rc::new(build(&key)?);
+        *slot = Some((key, Rc::clone(&v)));
         Ok(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A value whose clone fails loudly, as mlx-rs's `Array::clone` does on an array a failed
+    /// device operation left empty.
+    struct NoClone(u32);
+
+    impl Clone for NoClone {
+        fn clone(&self) -> Self {
+            panic!("Memo cloned its value")
+        }
+    }
+
+    #[test]
+    fn memo_shares_its_value_and_rebuilds_on_a_new_key() {
+        let memo = Memo::new();
+        let mut builds = 0;
+        let a = memo
+            .get_or_try(1, |_| {
+                builds += 1;
+                Ok(NoClone(10))
+            })
+            .expect("built");
+        let b = memo
+            .get_or_try(1, |_| {
+                builds += 1;
+                Ok(NoClone(11))
+            })
+            .expect("served");
+        assert!(Rc::ptr_eq(&a, &b), "the same key must serve the value it built");
+        let c = memo
+            .get_or_try(2, |_| {
+                builds += 1;
+                Ok(NoClone(20))
+            })
+            .expect("rebuilt");
+        assert_eq!((builds, a.0, c.0), (2, 10, 20));
     }
 }

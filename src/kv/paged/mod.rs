@@ -21,6 +21,7 @@
 //! a loud failure instead of a slight drift.
 
 use std::collections::VecDeque;
+use std::rc::Rc;
 
 use mlx_rs::Array;
 use serde::Serialize;
@@ -480,7 +481,7 @@ impl PagedBlockPool {
 
     /// One view or one gather for `rows` of each sequence (`rows[b]`), padded to the longest
     /// with the sequence's own first row: a finite filler that attention masks.
-    fn plan(&self, g: usize, rows: &[Vec<i32>]) -> Result<(Plan, usize)> {
+    fn plan(&self, g: usize, rows: &[Vec<i32>]) -> Result<(Rc<Plan>, usize)> {
         let group = &self.groups[g];
         let w = rows.iter().map(Vec::len).max().unwrap_or(0);
         let mut flat = Vec::with_capacity(rows.len() * w);
@@ -504,16 +505,17 @@ impl PagedBlockPool {
         let read = seqs.iter().map(|&s| self.visible_rows(g, s)).collect::<Result<Vec<_>>>()?;
         let (rows, first): (Vec<Vec<i32>>, Vec<usize>) = read.into_iter().unzip();
         let store = &self.groups[g].store;
-        let (keys, values) = match self.plan(g, &rows)? {
-            (Plan::Span(start, n), _) => store.span(local, start, n)?,
-            (Plan::Gather(index), w) => store.gather(local, &index, rows.len(), w)?,
+        let (plan, w) = self.plan(g, &rows)?;
+        let (keys, values) = match &*plan {
+            Plan::Span(start, n) => store.span(local, *start, *n)?,
+            Plan::Gather(index) => store.gather(local, index, rows.len(), w)?,
         };
         Ok(BatchKv { keys, values, visible: rows.iter().map(Vec::len).collect(), first })
     }
 
     /// The rows `starts[b]..starts[b] + t` of each sequence will be written to in group `g`,
     /// checked.
-    fn write_rows_of(&self, g: usize, seqs: &[SeqId], starts: &[usize], t: usize) -> Result<Array> {
+    fn write_rows_of(&self, g: usize, seqs: &[SeqId], starts: &[usize], t: usize) -> Result<Rc<Array>> {
         let mut rows = Vec::with_capacity(seqs.len() * t);
         for (&seq, &start) in seqs.iter().zip(starts) {
             let s = self.seq(seq)?;

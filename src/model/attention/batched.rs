@@ -79,7 +79,7 @@ pub fn attend(
         Ok(mask(visible, first, &ctx.masked, step.tokens, view.window, ctx.faults))
     })?;
     let (keys, values) = (&read.keys, &read.values);
-    Ok(match &mask {
+    Ok(match &*mask {
         Mask::None => mlx_rs::fast::scaled_dot_product_attention(&q, keys, values, scale, None, None)?,
         Mask::Causal => {
             let causal = ScaledDotProductAttentionMask::Causal;
