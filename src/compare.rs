@@ -169,6 +169,66 @@ pub fn position_samples(
         .collect())
 }
 
+/// A corpus read through a server: per position the reference's and the path's top-k
+/// `(token, logprob)` as the API returned them (sorted most probable first), and the text's
+/// next token after each. A server returns no full distribution, so each metric is computed
+/// from what it does return, and what it cannot see is stated:
+///
+/// - KL is that of the two distributions coarsened to the reference's top-k tokens and one
+///   bucket for the rest of the vocabulary (the reference's mass outside its top-k against the
+///   path's mass outside those tokens). With the path's probability of every such token known,
+///   this is a lower bound on the full KL (merging tokens into one bucket never raises KL, the
+///   log-sum inequality); the tail's own redistribution is what it cannot see. A reference
+///   top-k token missing from the path's top-k has a path probability of at most the path's
+///   k-th: it is taken at that bound.
+/// - The probability of the next token is the listed one, 0 where a side's top-k does not
+///   list it (so a change is off by at most that side's k-th probability).
+/// - Top-1 is the first entry of each list, the top-k overlap over the first
+///   [`CORPUS_TOP_K`] (or fewer, where fewer were returned).
+pub fn topk_position_samples(
+    reference: &[Vec<(u32, f64)>],
+    path: &[Vec<(u32, f64)>],
+    next: &[u32],
+    first: usize,
+) -> Result<Vec<PositionSample>> {
+    let n = reference.len().min(path.len()).min(next.len());
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let (r, a) = (&reference[i], &path[i]);
+        let (Some(&(r_top, _)), Some(&(a_top, _)), Some(&(_, a_last))) = (r.first(), a.first(), a.last()) else {
+            return Err(Error::Invalid(format!("position {}: a top-k list is empty", first + i)));
+        };
+        let lp = |list: &[(u32, f64)], t: u32| list.iter().find(|x| x.0 == t).map(|x| x.1);
+        let (mut kl, mut r_mass, mut a_mass) = (0f64, 0f64, 0f64);
+        for &(t, lr) in r {
+            let la = lp(a, t).unwrap_or(a_last);
+            let pr = lr.exp();
+            kl += pr * (lr - la);
+            r_mass += pr;
+            a_mass += la.exp();
+        }
+        // The rest of the vocabulary as one bucket; a rounding may leave a list's mass a hair
+        // over 1, and a path that put (nearly) all its mass on the reference's top-k leaves a
+        // bucket of ~0: floored where a log needs it, so the term stays finite and large.
+        let (r_rest, a_rest) = ((1.0 - r_mass).max(0.0), (1.0 - a_mass).max(f64::MIN_POSITIVE));
+        if r_rest > 0.0 {
+            kl += r_rest * (r_rest / a_rest).ln();
+        }
+        let p = |list: &[(u32, f64)]| lp(list, next[i]).map_or(0.0, f64::exp) as f32;
+        let k = CORPUS_TOP_K.min(r.len()).min(a.len());
+        let shared = r[..k].iter().filter(|x| a[..k].iter().any(|y| y.0 == x.0)).count();
+        out.push(PositionSample {
+            position: first + i,
+            kl: kl.max(0.0) as f32,
+            p_reference: p(r),
+            p_path: p(a),
+            top1: r_top == a_top,
+            topk_overlap: shared as f32 / k.max(1) as f32,
+        });
+    }
+    Ok(out)
+}
+
 fn log_softmax(x: &Array) -> Result<Array> {
     let lse = mlx_rs::ops::logsumexp_axis(x, -1, true)?;
     Ok(x.subtract(&lse)?)
@@ -446,5 +506,50 @@ mod tests {
         let a = trace(&[&[(5, -0.1), (8, -2.5)], &[(9, -0.01), (5, -5.0)]]);
         let d = compare_logprobs(&r, &a, 1e-3, 2).first_difference.expect("membership");
         assert_eq!((d.step, d.token, d.path), (0, 7, None));
+    }
+
+    /// Top-k KL is the KL of the two distributions cut to the reference's top-k and one
+    /// bucket for the rest: worked by hand, zero on identical lists, and never over the full
+    /// KL of the distributions the lists were cut from.
+    #[test]
+    fn topk_kl_is_the_coarsened_kl_and_bounds_the_full_one_from_below() {
+        let ln = f64::ln;
+        let r = vec![vec![(1, ln(0.5)), (2, ln(0.3))]];
+        let a = vec![vec![(2, ln(0.4)), (1, ln(0.4))]];
+        let s = topk_position_samples(&r, &a, &[2], 7).expect("samples");
+        let want = 0.5 * ln(0.5 / 0.4) + 0.3 * ln(0.3 / 0.4) + 0.2 * ln(0.2 / 0.2);
+        assert!((f64::from(s[0].kl) - want).abs() < 1e-6, "{} vs {want}", s[0].kl);
+        assert_eq!((s[0].position, s[0].top1, s[0].topk_overlap), (7, false, 1.0));
+        assert!((s[0].p_reference - 0.3).abs() < 1e-6 && (s[0].p_path - 0.4).abs() < 1e-6);
+        let same = topk_position_samples(&r, &r, &[9], 0).expect("samples");
+        assert_eq!((same[0].kl, same[0].top1, same[0].p_reference, same[0].p_path), (0.0, true, 0.0, 0.0));
+
+        // A full distribution over 50 tokens and a perturbed one, cut to their top 10.
+        let mut rng = crate::rng::Rng::new(3);
+        let full = |noise: f64, rng: &mut crate::rng::Rng| -> Vec<f64> {
+            let logits: Vec<f64> = (0..50).map(|i| -0.2 * i as f64 + noise * f64::from(rng.normal())).collect();
+            let z = logits.iter().map(|l| l.exp()).sum::<f64>().ln();
+            logits.iter().map(|l| l - z).collect()
+        };
+        let mut bounded = 0;
+        for _ in 0..20 {
+            let (lr, la) = (full(0.0, &mut rng), full(0.3, &mut rng));
+            let exact: f64 = lr.iter().zip(&la).map(|(r, a)| r.exp() * (r - a)).sum();
+            let top = |l: &[f64]| {
+                let mut v: Vec<(u32, f64)> = l.iter().enumerate().map(|(i, &x)| (i as u32, x)).collect();
+                v.sort_by(|x, y| y.1.total_cmp(&x.1));
+                v.truncate(10);
+                v
+            };
+            let s = topk_position_samples(&[top(&lr)], &[top(&la)], &[0], 0).expect("samples");
+            if s[0].topk_overlap == 1.0 {
+                assert!(f64::from(s[0].kl) <= exact + 1e-6, "top-k KL {} over the full KL {exact}", s[0].kl);
+                bounded += 1;
+            }
+            assert!(s[0].kl.is_finite() && s[0].kl >= 0.0);
+        }
+        assert!(bounded >= 5, "only {bounded} of 20 draws had the reference's top-10 in the path's");
+        let empty = topk_position_samples(&[vec![]], &r, &[1], 4).expect_err("an empty list is refused");
+        assert!(empty.to_string().contains("position 4"), "{empty}");
     }
 }

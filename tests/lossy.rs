@@ -159,3 +159,76 @@ fn a_doubled_quantization_group_moves_the_distribution_not_the_worst_step() {
     let (a_max, b_min) = (a.iter().copied().fold(0.0, f32::max), b.iter().copied().fold(f32::MAX, f32::min));
     assert!(a_max >= b_min, "the worst steps overlap: declared {a:?}, doubled {b:?}");
 }
+
+/// `corpus` on a server (tests/servers/fake_openai.py): one request per position, the text so
+/// far as the prompt and max_tokens 1, judged from the top-k logprobs the server returns. A
+/// server identical to the reference reads KL 0 at every position; one whose distributions
+/// carry noise breaks its bounds; one whose prompt cache never hits computed each position by
+/// prefill, not over the cache, and is `vacuous` however close it reads; one that counts the
+/// prompt otherwise than parity sent it is an error naming the position.
+#[test]
+fn the_corpus_scenario_on_a_server_from_its_top_k() {
+    let repo = common::repo();
+    let tag = format!("parity-lossy-openai-{}", std::process::id());
+    let entry = format!(
+        r#"[[checkpoints]]
+name = "tiny"
+path = "{fixture}"
+backends = ["same", "noisy", "uncached", "miscounted"]
+tolerance = {{ kl_mean = 0.01, top1_agree = 0.9 }}
+[checkpoints.engine]
+kind = "openai"
+name = "fake"
+command = ["python3", "{server}", "--port", "{{port}}", "--tag", "{tag}", "--token-delay", "0"]
+prompt = "ids"
+top_logprobs = 20
+start_timeout = 20
+timeout = 20
+reference = "exact"
+[checkpoints.engine.paths]
+exact = []
+same = []
+noisy = ["--mode", "noise", "--arg", "1.0"]
+uncached = ["--mode", "cache-never-hits"]
+miscounted = ["--count-off", "1"]
+"#,
+        fixture = repo.join("fixtures/llama-tiny.toml").display(),
+        server = repo.join("tests/servers/fake_openai.py").display(),
+    );
+    let file = suite("corpus-openai", 40, "", &entry);
+    let (code, out, r) = common::run_report("corpus-openai", &[file.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    let one = |p: &str| {
+        let rows = row(&r, "corpus", p);
+        assert_eq!(rows.len(), 1, "{p}: {out}");
+        rows[0]
+    };
+    let same = one("same");
+    let d = same.distribution.as_ref().expect("distribution");
+    assert_eq!((same.verdict, same.pass, d.positions), (Verdict::Within, true, 40), "{out}");
+    assert_eq!((d.kl.max, d.top1_agree, d.topk_overlap, d.dp_max), (0.0, 1.0, 1.0, 0.0), "{out}");
+    assert!(same.notes.iter().any(|n| n.contains("KL over the reference's top-20")), "{:?}", same.notes);
+    let cached = same.evidence.iter().find(|e| e.claim == "cached").expect("cached evidence");
+    assert!(cached.seen.starts_with("39 of 39 requests"), "{cached:?}");
+
+    let noisy = one("noisy");
+    let d = noisy.distribution.as_ref().expect("distribution");
+    assert_eq!(noisy.verdict, Verdict::Diverged, "{out}");
+    assert!(d.kl.mean > 0.01 && d.top1_agree < 1.0, "{:?}", d.kl);
+    assert!(noisy.failure.as_deref().unwrap_or_default().starts_with("distribution: kl_mean "), "{:?}", noisy.failure);
+
+    let uncached = one("uncached");
+    assert_eq!((uncached.verdict, uncached.pass), (Verdict::Vacuous, false), "{out}");
+    assert!(
+        uncached.failure.as_deref().unwrap_or_default().contains("cached: wanted each position"),
+        "{:?}",
+        uncached.failure
+    );
+    assert_eq!(uncached.distribution.as_ref().map(|d| d.kl.max), Some(0.0), "the same distributions, read by prefill");
+
+    let miscounted = one("miscounted");
+    assert_eq!(miscounted.verdict, Verdict::Error, "{out}");
+    let failure = miscounted.failure.as_deref().unwrap_or_default();
+    assert!(failure.contains("position 0") && failure.contains("counted 2 prompt tokens, parity sent 1"), "{failure}");
+    common::assert_no_leftovers(&tag);
+}

@@ -117,3 +117,55 @@ fn llama_server_one_slot_and_parallel_on_smollm2() {
     eprintln!("{}", parity::report::table::render(&report, false));
     common::assert_no_leftovers(&tag);
 }
+
+/// `corpus` through llama-server (suites/lossy.toml's llama-server engine on 48 positions): a
+/// second server of the reference's configuration reads KL 0 at every position, each request
+/// an extension of the slot's cached prompt; q8_0 K moves the distributions, and only as a
+/// lossy cache does (most argmaxes kept). A few seconds.
+#[test]
+fn llama_server_corpus_from_top_k_on_smollm2() {
+    if !ready("llama-server") {
+        assert!(
+            std::env::var_os("PARITY_REQUIRE_LLAMA_SERVER").is_none(),
+            "llama-server is not built (ci/llama-server) and PARITY_REQUIRE_LLAMA_SERVER is set"
+        );
+        eprintln!("SKIPPED llama_server_corpus_from_top_k_on_smollm2: llama-server not built; run ci/llama-server");
+        return;
+    }
+    let repo = common::repo();
+    let tag = format!("parity-llama-corpus-{}", std::process::id());
+    let text = std::fs::read_to_string(repo.join("suites/lossy.toml")).expect("suite");
+    let at = text.find("name = \"smollm2-135m-q4_1-llama-server-kv8\"").expect("the llama-server entry");
+    let engine = &text[text[at..].find("[checkpoints.engine]").map(|i| at + i).expect("its engine")..];
+    let engine = &engine[..engine.find("paths = ").expect("its paths")];
+    let engine = engine.replace("\"--port\", \"{port}\"", &format!("\"--port\", \"{{port}}\", \"--alias\", \"{tag}\""));
+    let suite = format!(
+        "name = \"mini-corpus\"\ndtype = \"float32\"\nscenarios = [\"corpus\"]\n[settings]\ncorpus_tokens = 48\n\
+         [[prompts]]\nname = \"moby-dick\"\nfile = \"../corpus/moby-dick-1-3.txt\"\nlength = 49\n\
+         [[checkpoints]]\nname = \"smollm2\"\npath = \"{}\"\nbackends = [\"f16-again\", \"q8-k\"]\n\
+         tolerance = {{ kl_mean = 1.0 }}\n{engine}paths = {{ f16 = [], f16-again = [], q8-k = [\"-ctk\", \"q8_0\"] }}\n",
+        common::shared().join("checkpoints/smollm2-135m-instruct-4bit").display()
+    );
+    let file = repo.join("suites").join(format!(".test-{tag}.toml"));
+    std::fs::write(&file, suite).expect("write suite");
+    let report = run(&file);
+    assert_eq!(
+        report.checkpoints[0].status,
+        parity::report::CheckpointStatus::Ran,
+        "{:?}",
+        report.checkpoints[0].reason
+    );
+    let row = |p: &str| report.rows.iter().find(|r| r.path == p).unwrap_or_else(|| panic!("no {p} row"));
+    for p in ["f16-again", "q8-k"] {
+        let r = row(p);
+        assert_eq!((r.verdict, r.pass), (Verdict::Within, true), "{p}: {:?}", r.failure);
+        let cached = r.evidence.iter().find(|e| e.claim == "cached").expect("cached evidence");
+        assert!(cached.seen.starts_with("47 of 47 requests"), "{p}: {cached:?}");
+    }
+    let same = row("f16-again").distribution.clone().expect("distribution");
+    assert_eq!((same.positions, same.kl.max, same.top1_agree), (48, 0.0, 1.0), "the reference's configuration, again");
+    let q8 = row("q8-k").distribution.clone().expect("distribution");
+    assert!(q8.kl.mean > 0.0 && q8.top1_agree > 0.8, "{:?}, top-1 {}", q8.kl, q8.top1_agree);
+    eprintln!("{}", parity::report::table::render(&report, false));
+    common::assert_no_leftovers(&tag);
+}

@@ -119,6 +119,9 @@ impl Judge<'_> {
             ControlFlow::Continue(row) => row,
             ControlFlow::Break(done) => return done,
         };
+        if let Some(d) = &c.distribution {
+            return self.request_distribution(row, d, c);
+        }
         let answers = &c.measured;
         // A server that died explains every failure after it.
         let fail = |row: Row, why: String| {
@@ -262,6 +265,43 @@ impl Judge<'_> {
     /// (with none, every position's argmax must agree), then the memory claims and the books
     /// as on any other row.
     fn distribution(&self, mut row: Row, d: &Distribution, c: &CaseOutput, path: &PathInfo) -> Row {
+        self.bounds(&mut row, d);
+        row.block_size = path.capabilities.block_size.filter(|&bs| bs > 0);
+        if let Some(o) = &c.observed {
+            row.counters = o.counters;
+            let w = self.spec.witness(&self.cell.path);
+            row.evidence = witness::steps(self.cell.scenario, &c.case, o, c.kv.as_ref(), path, &w);
+        }
+        memory_claims(&mut row);
+        if let Some(books) = &c.audit {
+            fail_books(&mut row, books.clone());
+        }
+        row
+    }
+
+    /// The row of a server's `corpus` case: the distribution (from the returned top-k) against
+    /// the bounds, and the evidence that each position was one token decoded over the prompt
+    /// cache: a read that held its bounds without it tested prefill, not the cache, and is
+    /// `vacuous`.
+    fn request_distribution(&self, mut row: Row, d: &Distribution, c: &CaseOutput<Answers>) -> Row {
+        self.bounds(&mut row, d);
+        row.paths = 1;
+        let answers = &c.measured;
+        row.evidence = witness::requests(self.cell.scenario, &c.case, answers, &self.spec.witness(&self.cell.path));
+        // As weigh_evidence, for the verdicts a held distribution has (`within` too).
+        let missing = row.evidence.iter().any(|e| e.status == Status::Missing && !is_memory(e));
+        if missing && row.pass {
+            row.verdict = Verdict::Vacuous;
+            if !self.spec.tolerance.allow.contains(&Verdict::Vacuous) {
+                row.pass = false;
+                row.failure = Some(missing_claims(&row));
+            }
+        }
+        row
+    }
+
+    /// The distribution's bounds checked onto the row: its verdict, pass and failure.
+    fn bounds(&self, row: &mut Row, d: &Distribution) {
         let tolerance = &self.spec.tolerance.distribution;
         let bounds = tolerance.check(d);
         let broken: Vec<String> = bounds
@@ -275,21 +315,10 @@ impl Judge<'_> {
             (true, false) => Verdict::Within,
         };
         row.max_kl = Some(d.kl.max as f32);
-        row.block_size = path.capabilities.block_size.filter(|&bs| bs > 0);
         row.distribution = Some(d.clone());
         row.bounds = bounds;
-        if let Some(o) = &c.observed {
-            row.counters = o.counters;
-            let w = self.spec.witness(&self.cell.path);
-            row.evidence = witness::steps(self.cell.scenario, &c.case, o, c.kv.as_ref(), path, &w);
-        }
         row.pass = broken.is_empty();
         row.failure = (!broken.is_empty()).then(|| format!("distribution: {}", broken.join(", ")));
-        memory_claims(&mut row);
-        if let Some(books) = &c.audit {
-            fail_books(&mut row, books.clone());
-        }
-        row
     }
 
     /// The row's texts, and its verdict against the tolerance.

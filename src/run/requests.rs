@@ -67,7 +67,12 @@ pub(super) fn run(
     };
     let max_tokens = spec.settings.max_tokens;
     let mut references = References::new();
-    let base: Vec<Vec<u32>> = good.iter().map(|p| p.ids.clone()).collect();
+    // A corpus-only checkpoint asks the reference nothing but its corpus reads.
+    let base: Vec<Vec<u32>> = if cells.iter().any(|c| c.scenario != Scenario::Corpus) {
+        good.iter().map(|p| p.ids.clone()).collect()
+    } else {
+        Vec::new()
+    };
     requests::answer_alone(&mut reference, &base, max_tokens, &mut references);
     let mut schedules: BTreeMap<(Scenario, String, Vec<usize>), Vec<Schedule>> = BTreeMap::new();
     for c in cells {
@@ -92,6 +97,18 @@ pub(super) fn run(
         }
     }
     requests::answer_alone(&mut reference, &more, max_tokens, &mut references);
+    // The reference's reads of every corpus prompt a selected row reads, each once.
+    let mut corpus_reads: BTreeMap<Vec<u32>, requests::CorpusRead> = BTreeMap::new();
+    for c in cells.iter().filter(|c| c.scenario == Scenario::Corpus) {
+        for p in corpus_prompts(r, c, &prompts) {
+            if let Ok(n) = requests::corpus_positions(&spec.settings, &p)
+                && !corpus_reads.contains_key(&p.ids)
+            {
+                let read = requests::read_corpus(&mut reference, &p.ids, n);
+                corpus_reads.insert(p.ids.clone(), read);
+            }
+        }
+    }
     if let Some(fp) = references.values().find_map(|a| a.as_ref().ok()?.fingerprint.clone()) {
         report.reference_engine = Some(EngineId { kind: "openai".into(), name: o.name.clone(), version: fp });
     }
@@ -126,6 +143,10 @@ pub(super) fn run(
                 }
                 return rows;
             }
+            Scenario::Corpus => {
+                rows.extend(corpus_cell(r, cell, &prompts, &corpus_reads, &judge, &start_path, phases));
+                return rows;
+            }
             _ => {}
         }
         let planned = &schedules[&(cell.scenario, cell.path.clone(), cell.prompts.clone())];
@@ -152,6 +173,62 @@ pub(super) fn run(
     {
         e.version = r.version.clone();
     }
+    rows
+}
+
+/// The prompts of a corpus cell that a selected row reads (all, without `--filter`).
+fn corpus_prompts(r: &Resolved, c: &Cell, prompts: &BTreeMap<usize, Result<Prompt, String>>) -> Vec<Prompt> {
+    c.prompts
+        .iter()
+        .filter_map(|p| prompts[p].as_ref().ok())
+        .filter(|p| r.filter.selects_row(&cell_row(r.spec, c, &p.name, "teacher-forced", Verdict::Identical)))
+        .cloned()
+        .collect()
+}
+
+/// A corpus cell on a server: one fresh server of the cell's path reads each of the cell's
+/// corpus prompts, one request per position, and each read is judged against the reference's
+/// read of the same prompt.
+fn corpus_cell<'a>(
+    r: &Resolved,
+    cell: &Cell,
+    prompts: &BTreeMap<usize, Result<Prompt, String>>,
+    reference: &BTreeMap<Vec<u32>, requests::CorpusRead>,
+    judge: &Judge,
+    start: &dyn Fn(&str) -> Result<ServerPath<'a>, String>,
+    phases: &mut Vec<Phase>,
+) -> Vec<Row> {
+    let mine = corpus_prompts(r, cell, prompts);
+    if mine.is_empty() {
+        return Vec::new();
+    }
+    let not_run = |p: &Prompt, why: String| {
+        let c = CaseOutput::new("teacher-forced", p, requests::Answers::unsent(0), Outcome::NotRun(why));
+        judge.requests(&c)
+    };
+    let mut server = match start(cell.scenario.name()) {
+        Ok(s) => s,
+        Err(why) => {
+            let why = format!("path `{}` did not start: {why}", cell.path);
+            return mine.iter().map(|p| not_run(p, why.clone())).collect();
+        }
+    };
+    phases.push(Phase { name: format!("start {}", cell.path), seconds: server.age() });
+    let rows = mine
+        .iter()
+        .map(|p| match (requests::corpus_positions(&r.spec.settings, p), reference.get(&p.ids)) {
+            (Err(why), _) => {
+                let c = CaseOutput::new("teacher-forced", p, requests::Answers::unsent(0), Outcome::Failed(why));
+                judge.requests(&c)
+            }
+            (Ok(_), None) => not_run(p, "no reference read of this prompt".into()),
+            (Ok(n), Some(reference)) => {
+                let read = requests::read_corpus(&mut server, &p.ids, n);
+                judge.requests(&requests::corpus_case(p, n, reference, read))
+            }
+        })
+        .collect();
+    server.stop();
     rows
 }
 

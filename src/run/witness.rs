@@ -96,6 +96,7 @@ pub(super) fn requests(sc: Scenario, case: &str, a: &Answers, w: &Witness) -> Ve
         Scenario::Concurrent => claim("overlapped", overlapped(&a.timeline)),
         Scenario::Repeat if case == "cached" => claim("cached", cached(a)),
         Scenario::Prefix => claim("cached", cached(a)),
+        Scenario::Corpus => claim("cached", extended(a)),
         _ => {}
     }
     for (name, moves) in w.moves.iter().map(|m| (m, true)).chain(w.still.iter().map(|m| (m, false))) {
@@ -159,6 +160,45 @@ fn cached(a: &Answers) -> Found {
             (wanted, format!("the server served none of the {prompt} prompt tokens from its cache"), Status::Missing)
         }
         Some(n) => (wanted, format!("{n} of {prompt} prompt tokens from the cache"), Status::Held),
+    }
+}
+
+/// A corpus read through a server is the decode path only if each request after the first
+/// was computed as one new token over the previous prompt, held in the prompt cache: every
+/// such request must report all but its last token cached. A server that recomputed a prefix
+/// read that position by prefill, another kernel over another rounding.
+fn extended(a: &Answers) -> Found {
+    let wanted = "each position one new token over the previous prompt, from the server's prompt cache".to_string();
+    let later = || a.requests.iter().skip(1).filter_map(|r| Some((r.request.ids.len(), r.result.as_ref().ok()?)));
+    let total = later().count();
+    if total == 0 {
+        return (wanted, "no request after the first was answered".into(), Status::Unreported);
+    }
+    if later().all(|(_, c)| c.cached_tokens.is_none()) {
+        let seen = "the server reports no cached tokens (usage.prompt_tokens_details, timings)".into();
+        return (wanted, seen, Status::Unreported);
+    }
+    let short: Vec<(usize, Option<usize>)> = later()
+        .filter(|(n, c)| c.cached_tokens.is_none_or(|k| k + 1 < *n))
+        .map(|(n, c)| (n, c.cached_tokens))
+        .collect();
+    match short.first() {
+        None => (
+            wanted,
+            format!(
+                "{total} of {total} requests after the first served all but at most their last token from the cache"
+            ),
+            Status::Held,
+        ),
+        Some(&(n, cached)) => (
+            wanted,
+            format!(
+                "{} of {total} requests were not (first: {} of a {n}-token prompt from the cache)",
+                short.len(),
+                cached.map_or("none reported".to_string(), |c| c.to_string())
+            ),
+            Status::Missing,
+        ),
     }
 }
 

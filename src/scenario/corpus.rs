@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use super::{CaseOutput, Outcome, Prompt, Setup, attempt};
-use crate::array::{require_finite, rows};
+use crate::array::{first_non_finite, require_finite, rows};
 use crate::compare::{CORPUS_TOP_K, position_samples};
 use crate::engine::{EnginePath, Session};
 use crate::error::{Error, Result};
@@ -56,6 +56,11 @@ fn read(setup: &mut Setup, path: &mut dyn EnginePath, p: &Prompt) -> Result<Case
             if ref_rows.len() == CHUNK || i + 1 == n {
                 let first = i + 1 - ref_rows.len();
                 require_finite("reference logits", &ref_rows)?;
+                // KL against NaN logits would read as 0 (a NaN is dropped by `max`): a path
+                // that answers non-finite logits fails at the position, never reads as exact.
+                if let Some(at) = first_non_finite(&path_rows)? {
+                    return Err(Error::NonFinite { what: "the path's logits (corpus position)", step: first + at });
+                }
                 samples.extend(position_samples(&ref_rows, &path_rows, &p.ids[first + 1..=i + 1], first)?);
                 ref_rows.clear();
                 path_rows.clear();

@@ -432,6 +432,117 @@ pub fn run_script(
     c
 }
 
+/// `corpus` on a server: the text read teacher-forced, one request per position, each prompt
+/// the text up to that position (as token ids) and `max_tokens` 1, so that the answer's top-k
+/// logprobs are the next-token distribution after the position. A server cannot be stepped;
+/// its prompt cache is what makes each request the decode path: it holds the previous
+/// request's prompt, one token shorter, so the server computes the one new token over its
+/// cached KV (the `cached` evidence checks that it did). Requests go one at a time on one
+/// server; the first failure ends the read (`failed` says where and why).
+#[derive(Debug, Clone, Default)]
+pub struct CorpusRead {
+    /// Per position read: what the server answered to the prefix ending there.
+    pub answers: Vec<Completion>,
+    pub failed: Option<String>,
+}
+
+/// Positions a `corpus` read of `prompt` covers: the settings' `corpus_tokens`, at most every
+/// position with a next token to predict; an error for a prompt with none.
+pub fn corpus_positions(settings: &Settings, prompt: &Prompt) -> Result<usize, String> {
+    match settings.corpus_tokens.min(prompt.ids.len().saturating_sub(1)) {
+        0 => {
+            Err(format!("the {}-token prompt has no next token to predict: corpus needs at least 2", prompt.ids.len()))
+        }
+        n => Ok(n),
+    }
+}
+
+/// Read the first `n` positions of `ids` on `path` (see [`CorpusRead`]). Each answer is
+/// checked, not trusted: the server's count of the prompt must be what was sent (else it read
+/// another text than the reference), and the answer must carry one step of top-k logprobs.
+pub fn read_corpus(path: &mut dyn RequestPath, ids: &[u32], n: usize) -> CorpusRead {
+    let mut read = CorpusRead::default();
+    for i in 0..n.min(ids.len()) {
+        let request = CompletionRequest { ids: ids[..=i].to_vec(), max_tokens: 1, when: When::Now, stream: false };
+        let problem = match path.send(&[request]).remove(0).result {
+            Err(e) => Some(match path.ended_after_failure() {
+                Some(how) => format!("{e}; the server {how}"),
+                None => e.to_string(),
+            }),
+            Ok(c) if c.prompt_tokens.is_some_and(|p| p != i + 1) => Some(format!(
+                "the server counted {} prompt tokens, parity sent {}",
+                c.prompt_tokens.unwrap_or_default(),
+                i + 1
+            )),
+            Ok(c) if c.trace.steps.is_empty() => Some("the answer has no top-k logprobs".into()),
+            Ok(c) => {
+                read.answers.push(c);
+                None
+            }
+        };
+        if let Some(why) = problem {
+            read.failed = Some(format!("position {i} (a prompt of {} tokens): {why}", i + 1));
+            break;
+        }
+    }
+    read
+}
+
+/// The `corpus` case of `prompt` on a server: `path`'s read against `reference`'s, position by
+/// position ([`crate::compare::topk_position_samples`]: KL over the returned top-k), as one
+/// row. Every answer is kept in `measured` (the prompt-cache evidence is judged on them).
+pub fn corpus_case(prompt: &Prompt, n: usize, reference: &CorpusRead, path: CorpusRead) -> CaseOutput<Answers> {
+    let n = n.min(prompt.ids.len().saturating_sub(1));
+    let mut measured = Answers::unsent(path.answers.len());
+    let failed = match (&reference.failed, &path.failed) {
+        (Some(f), _) => Some(format!("the reference path's read failed at {f}")),
+        (None, Some(f)) => Some(format!("the read failed at {f}")),
+        (None, None) => None,
+    };
+    let top = |r: &CorpusRead| -> Vec<Vec<(u32, f64)>> { r.answers.iter().map(|c| c.trace.steps[0].clone()).collect() };
+    let samples = match failed {
+        Some(f) => Err(f),
+        None => crate::compare::topk_position_samples(&top(reference), &top(&path), &prompt.ids[1..=n], 0)
+            .map_err(|e| e.to_string()),
+    };
+    let k = |r: &CorpusRead| r.answers.iter().map(|c| c.trace.steps[0].len()).min().unwrap_or(0);
+    let (k_ref, k_path) = (k(reference), k(&path));
+    measured.requests = path
+        .answers
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| Answer {
+            index: i,
+            request: CompletionRequest {
+                ids: prompt.ids[..=i].to_vec(),
+                max_tokens: 1,
+                when: When::Now,
+                stream: false,
+            },
+            result: Ok(c),
+            reference: None,
+        })
+        .collect();
+    let outcome = match &samples {
+        Err(e) => Outcome::Failed(e.clone()),
+        Ok(_) => Outcome::Ran,
+    };
+    let mut c = CaseOutput::new("teacher-forced", prompt, measured, outcome);
+    if let Ok(samples) = samples {
+        let d = crate::vocab::Distribution::of(&samples, crate::compare::CORPUS_TOP_K.min(k_ref).min(k_path));
+        c.notes.push(format!(
+            "{} positions read teacher-forced, one request each (the text up to the position, max_tokens 1)",
+            d.positions
+        ));
+        c.notes.push(format!(
+            "KL over the reference's top-{k_ref} and the rest of the vocabulary as one bucket (the server returns \
+             top-k logprobs only): a lower bound on the full KL where the path lists those tokens"
+        ));
+        c.distribution = Some(d);
+    }
+    c
+}
+
 /// A prompt's ids, cut; `None` for a prompt this checkpoint does not run.
 fn cut(prompts: &[Prompt], p: &PromptCut) -> Option<Vec<u32>> {
     let prompt = prompts.iter().find(|q| q.name == p.prompt)?;

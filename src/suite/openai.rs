@@ -153,8 +153,9 @@ pub(super) fn scenarios_for(
     }
     let allowed: Vec<Scenario> =
         if openai { REQUEST_LEVEL } else { STEP_LEVEL }.iter().copied().chain([Scenario::Script]).collect();
-    // A corpus is read token by token: stepped engines only, and only where a suite names it.
-    let allowed: Vec<Scenario> = allowed.into_iter().chain((!openai).then_some(Scenario::Corpus)).collect();
+    // A corpus is read token by token (on a server, one request a position over its prompt
+    // cache), only where a suite names it.
+    let allowed: Vec<Scenario> = allowed.into_iter().chain([Scenario::Corpus]).collect();
     if let Some(i) = scenarios.iter().position(|&s| s == Scenario::Script).filter(|_| !pinned) {
         let span = written.and_then(|w| w.get(i)).map(|w| w.span()).unwrap_or(checkpoint.clone());
         let kind = if openai { "`requests` (a server's)" } else { "`ops` (a stepped engine's)" };

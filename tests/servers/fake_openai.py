@@ -8,6 +8,8 @@ first entry presented as the chosen token), and misbehaves on request:
 
   --mode ok | exit-at-start | never-ready | die-after N | http500 | malformed | no-logprobs
          | perturb X (add X to every logprob) | flip-at K (pick the runner-up at step K)
+         | noise S (Gaussian noise of standard deviation S on every logit, renormalised: a
+           lossy path, whose distributions move while staying distributions)
          | batch-flip (pick the runner-up at step 1 whenever two requests are in flight)
          | covered-crash (drop the connection, unanswered, when the prompt cache holds the whole
            prompt: mlx_lm.server 0.32.2's bug)
@@ -79,6 +81,12 @@ def generate(ids, max_tokens, k, ticket=None):
             lp = logprobs(history)
             if args.mode == "perturb":
                 lp = [x + float(args.arg) for x in lp]
+            if args.mode == "noise":
+                rng = random.Random(len(history) * 7919 + sum(history[-8:]))
+                noisy = [x + rng.gauss(0.0, float(args.arg)) for x in lp]
+                m = max(noisy)
+                lse = m + math.log(sum(math.exp(x - m) for x in noisy))
+                lp = [x - lse for x in noisy]
             order = sorted(range(VOCAB), key=lambda i: (-lp[i], i))
             chosen = order[0]
             with lock:
