@@ -81,7 +81,7 @@ impl StepEngine for Toy {
         self.vocab =
             json["vocab_size"].as_u64().ok_or_else(|| failed(format!("{}: no vocab_size", config.display())))? as usize;
         Ok(Described {
-            engine: WireEngine { name: "toy-rs".into(), version: "1".into() },
+            engine: WireEngine { name: "toy-rs".into(), version: "1".into(), device: None },
             vocab_size: self.vocab,
             dtype: "float32".into(),
             capabilities: WireCapabilities {

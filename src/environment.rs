@@ -1,6 +1,8 @@
 //! The environment a run computes in, as every report records it: MLX's device (chosen here,
 //! once per process), its version, the BLAS behind its CPU matmuls, the OS and architecture.
 
+use std::collections::BTreeMap;
+
 use mlx_rs::{Device, DeviceType};
 use serde::{Deserialize, Serialize};
 
@@ -19,6 +21,33 @@ pub struct Environment {
     /// OpenBLAS that does not know the CPU falls back to a generic kernel 2-3x slower.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub blas: Option<String>,
+    /// `MLX_ENABLE_TF32` as this run saw it (`None`: unset). On CUDA, MLX runs float32 matmuls
+    /// as TF32 unless it is `0`, and TF32 moves batched float32 rows past a 1e-3 tolerance
+    /// (docs/gpu.md, finding 4): a GPU result means little without it. Children (adapters, a
+    /// pinned reference) inherit it. Other backends ignore it.
+    #[serde(default)]
+    pub mlx_enable_tf32: Option<String>,
+    /// The devices of references run in child processes on a device of their own, by the
+    /// reference as the suite wrote it (`builtin:dense@cpu` -> `cpu`), as each child said:
+    /// with `device` (where this process computed its paths) they name both sides of a device
+    /// parity run. Empty when every reference ran in this process.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub reference_devices: BTreeMap<String, String>,
+}
+
+impl Environment {
+    /// `MLX_ENABLE_TF32=0`, or `MLX_ENABLE_TF32 unset`, for the renderings' one line.
+    pub fn tf32_line(&self) -> String {
+        match &self.mlx_enable_tf32 {
+            Some(v) => format!("MLX_ENABLE_TF32={v}"),
+            None => "MLX_ENABLE_TF32 unset".into(),
+        }
+    }
+
+    /// `; reference builtin:dense@cpu on cpu`, for each pinned reference (empty when none).
+    pub fn references_line(&self) -> String {
+        self.reference_devices.iter().map(|(r, d)| format!("; reference {r} on {d}")).collect()
+    }
 }
 
 /// MLX's own version string (from the linked library, not from a pin).
@@ -106,6 +135,8 @@ pub fn environment() -> Environment {
         os: std::env::consts::OS.into(),
         arch: std::env::consts::ARCH.into(),
         blas: blas(),
+        mlx_enable_tf32: std::env::var("MLX_ENABLE_TF32").ok(),
+        reference_devices: BTreeMap::new(),
     }
 }
 

@@ -197,6 +197,8 @@ fn report() -> Report {
             os: "linux".into(),
             arch: "x86_64".into(),
             blas: None,
+            mlx_enable_tf32: None,
+            reference_devices: Default::default(),
         },
         shard: None,
         faults: vec![],

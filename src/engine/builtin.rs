@@ -33,7 +33,7 @@ impl<'m> Builtin<'m> {
         let backend = path.backend;
         let info = PathInfo {
             name: path.name(),
-            engine: EngineId::builtin(),
+            engine: EngineId::builtin(crate::environment::device()),
             vocab_size: model.config.vocab_size,
             dtype: model.dtype,
             capabilities: Capabilities {
@@ -215,7 +215,11 @@ impl StepEngine for BuiltinAdapter<'_> {
         self.served = Some(Served { path, kv, calls: Counters::default(), faults: Faults::NONE });
         let c = &info.capabilities;
         Ok(Described {
-            engine: WireEngine { name: "parity".into(), version: env!("CARGO_PKG_VERSION").into() },
+            engine: WireEngine {
+                name: "parity".into(),
+                version: env!("CARGO_PKG_VERSION").into(),
+                device: info.engine.device.clone(),
+            },
             vocab_size: info.vocab_size,
             dtype: info.dtype.name().into(),
             capabilities: WireCapabilities {

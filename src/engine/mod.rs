@@ -32,7 +32,9 @@ use crate::faults::Faults;
 pub use crate::kv::ShareMode;
 use crate::kv::{Counters, KvStats, SeqId};
 use crate::model::{Model, RowStep};
-use crate::vocab::{BuiltinPath, CheckpointSpec, EngineId, EngineSpec, ReferenceSpec, Trace};
+use crate::vocab::{
+    BuiltinPath, BuiltinRef, CheckpointSpec, Device, EngineId, EngineSpec, ProcessSpec, ReferenceSpec, Trace,
+};
 
 /// Where a started engine lives: the resolved checkpoint (what `{model}` or `{checkpoint}`
 /// stands for) and the suite's directory (`{suite_dir}`, where the child runs).
@@ -179,7 +181,7 @@ impl Planning {
     pub fn new(vocab_size: usize) -> Self {
         Planning(PathInfo {
             name: "planning".into(),
-            engine: EngineId { kind: "planning".into(), name: String::new(), version: String::new() },
+            engine: EngineId::unnamed("planning", ""),
             vocab_size,
             dtype: DtypeName::Float32,
             capabilities: Capabilities {
@@ -223,6 +225,40 @@ pub fn generate(session: &mut dyn Session, prompt: &[u32], max_tokens: usize) ->
     Ok((seq, trace))
 }
 
+/// How long a pinned reference's child may take per request and to start (load the weights):
+/// a builtin engine names no timeouts, so these are the process engine's defaults.
+const PINNED_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+const PINNED_START_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The adapter that serves a reference pinned to a device: this executable's own `parity
+/// adapter` on the checkpoint, with `--device` set. It is driven as any process engine is, so
+/// it inherits that engine's containment: a crash or hang fails the case, the child's process
+/// group is killed when the path is dropped, on every exit path of parity. It inherits
+/// parity's environment too (`MLX_ENABLE_TF32` among it), so both sides compute under the
+/// same MLX settings.
+fn pinned_spec(
+    path: BuiltinPath,
+    device: Device,
+    dequantize: bool,
+    (timeout, start_timeout): (std::time::Duration, std::time::Duration),
+) -> ProcessSpec {
+    let args = ["{parity}", "adapter", "{checkpoint}", "--device", device.name(), "--path", &path.name()];
+    let mut command: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    command.extend(["--dtype".into(), "{dtype}".into()]);
+    if dequantize {
+        command.push("--dequantize".into());
+    }
+    let name = BuiltinRef { path, device: Some(device) }.name();
+    ProcessSpec {
+        command,
+        model: None,
+        paths: vec![(name.clone(), Vec::new())],
+        reference: ReferenceSpec::Path(name),
+        timeout,
+        start_timeout,
+    }
+}
+
 /// A checkpoint's step-level engine (kind = "builtin" or "process"), which its paths are opened
 /// from. It holds parity's own load of the weights when a builtin path or a builtin reference
 /// needs them: loaded once, shared by every builtin path.
@@ -258,11 +294,36 @@ impl<'a> Engine<'a> {
             Some(n) => ReferenceSpec::Path(n.to_string()),
             None => engine.reference(),
         };
+        let dtype = self.spec.dtype.resolve().map_or("native", |d| d.name());
         match (engine, target) {
-            (_, ReferenceSpec::Builtin(path)) => builtin(path),
-            (EngineSpec::Builtin, ReferenceSpec::Path(n)) => builtin(n.parse().map_err(crate::error::Error::Invalid)?),
+            (_, ReferenceSpec::Builtin(BuiltinRef { path, device: None })) => builtin(path),
+            (_, ReferenceSpec::Builtin(pinned @ BuiltinRef { path, device: Some(device) })) => {
+                let timeouts = match engine {
+                    EngineSpec::Process(p) => (p.timeout, p.start_timeout),
+                    _ => (PINNED_TIMEOUT, PINNED_START_TIMEOUT),
+                };
+                let spec = pinned_spec(path, device, self.spec.dequantize, timeouts);
+                let started = process::ProcessPath::start(&spec, &pinned.name(), self.dirs, dtype, settings)?;
+                // The child says where it computes; a reference that ran on another device than
+                // the one named would make a device-parity pass mean nothing.
+                let said = started.info().engine.device.clone();
+                if said.as_deref() != Some(device.name()) {
+                    return Err(crate::error::Error::Engine {
+                        engine: "parity adapter".into(),
+                        path: pinned.name(),
+                        message: format!(
+                            "asked to compute on {}, the adapter says it computes on {}",
+                            device.name(),
+                            said.as_deref().unwrap_or("an unnamed device")
+                        ),
+                    });
+                }
+                Ok(Box::new(started))
+            }
+            (EngineSpec::Builtin { .. }, ReferenceSpec::Path(n)) => {
+                builtin(n.parse().map_err(crate::error::Error::Invalid)?)
+            }
             (EngineSpec::Process(p), ReferenceSpec::Path(n)) => {
-                let dtype = self.spec.dtype.resolve().map_or("native", |d| d.name());
                 Ok(Box::new(process::ProcessPath::start(p, &n, self.dirs, dtype, settings)?))
             }
             (EngineSpec::Openai(o), ReferenceSpec::Path(n)) => Err(crate::error::Error::Engine {

@@ -209,7 +209,7 @@ impl ProcessPath {
             start_timeout: spec.start_timeout,
             info: PathInfo {
                 name: path.to_string(),
-                engine: EngineId { kind: "process".into(), name: String::new(), version: String::new() },
+                engine: EngineId::unnamed("process", ""),
                 vocab_size: 0,
                 dtype: DtypeName::Float32,
                 capabilities: Capabilities {
@@ -282,7 +282,12 @@ impl ProcessPath {
         }
         Ok(PathInfo {
             name: self.info.name.clone(),
-            engine: EngineId { kind: "process".into(), name: h.engine.name, version: h.engine.version },
+            engine: EngineId {
+                kind: "process".into(),
+                name: h.engine.name,
+                version: h.engine.version,
+                device: h.engine.device,
+            },
             vocab_size: h.vocab_size,
             dtype,
             capabilities: Capabilities {

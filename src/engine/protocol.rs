@@ -70,6 +70,10 @@ pub struct HelloReply {
 pub struct WireEngine {
     pub name: String,
     pub version: String,
+    /// The device the adapter computes on (`cpu`, `gpu`; optional): reports record it beside
+    /// the run's own, so a comparison across devices names both sides.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

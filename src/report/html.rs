@@ -115,6 +115,11 @@ fn header(out: &mut String, report: &Report) {
             env.blas.as_ref().map(|b| format!(", BLAS {}", esc(b))).unwrap_or_default()
         ),
     );
+    // Both sides of a device parity run, and the TF32 switch that moves CUDA float32 results.
+    for (reference, device) in &env.reference_devices {
+        item("reference", format!("<code>{}</code> on <b>{}</b>", esc(reference), esc(device)));
+    }
+    item("TF32", format!("<code>{}</code>", esc(&env.tf32_line())));
     if let Some(s) = report.shard {
         item("shard", format!("{}/{}", s.index, s.count));
     }

@@ -65,7 +65,15 @@ fn suite(out: &mut String, report: &Report, name: &str, checkpoint: Option<&Chec
             ("dtype", c.dtype.clone()),
             ("device", report.environment.device.clone()),
             ("mlx", report.environment.mlx_version.clone()),
+            ("mlx_enable_tf32", report.environment.mlx_enable_tf32.clone().unwrap_or_else(|| "unset".into())),
         ];
+        // The device of a reference computed in a child (device parity: `builtin:dense@cpu`),
+        // as the child said; `device` above is this process's.
+        if let Some(re) = c.reference_engine.as_ref().filter(|e| e.kind != "builtin")
+            && let Some(device) = &re.device
+        {
+            props.push(("reference_device", device.clone()));
+        }
         if let Some(r) = &c.resolved {
             props.insert(1, ("resolved", r.clone()));
         }

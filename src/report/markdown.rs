@@ -34,6 +34,8 @@ pub fn render(report: &Report) -> String {
     if let Some(blas) = &env.blas {
         let _ = write!(meta, ", BLAS {}", code(blas));
     }
+    // Both sides of a device parity run, and the TF32 switch that moves CUDA float32 results.
+    let _ = write!(meta, "{}, {}", env.references_line(), code(&env.tf32_line()));
     if let Some(shard) = report.shard {
         let _ = write!(meta, ", shard {}/{}", shard.index, shard.count);
     }

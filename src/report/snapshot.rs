@@ -110,6 +110,12 @@ pub fn render(report: &Report) -> BTreeMap<String, String> {
             if let (Some(re), Some(rp)) = (&c.reference_engine, &c.reference_path) {
                 let _ = writeln!(s, "reference: {}", yaml_str(&format!("{} {} ({})", re.name, rp, re.kind)));
             }
+        } else if let (Some(re), Some(rp)) =
+            (c.reference_engine.as_ref().filter(|e| e.kind != "builtin"), &c.reference_path)
+        {
+            // A builtin run against a reference in a child (`builtin:dense@cpu`) compares with
+            // something else than the in-process reference its accepted rows were made against.
+            let _ = writeln!(s, "reference: {}", yaml_str(&format!("{} {} ({})", re.name, rp, re.kind)));
         }
         let st = &c.settings;
         let _ = writeln!(

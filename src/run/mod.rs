@@ -18,7 +18,9 @@ use crate::error::{Error, Result};
 use crate::faults::Faults;
 use crate::report::{CheckpointReport, CheckpointStatus, Phase, Report, Row, SCHEMA_VERSION, Shard, Summary};
 use crate::scenario::explore::Budget;
-use crate::vocab::{CheckpointSpec, EngineSpec, Prompt, PromptSource, PromptSpec, Scenario, Suite, Verdict};
+use crate::vocab::{
+    BuiltinRef, CheckpointSpec, EngineSpec, Prompt, PromptSource, PromptSpec, ReferenceSpec, Scenario, Suite, Verdict,
+};
 
 mod judge;
 mod requests;
@@ -98,13 +100,30 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> R
         suite_file: suite.file.display().to_string(),
         parity_version: env!("CARGO_PKG_VERSION").to_string(),
         parity_commit: env!("PARITY_GIT_COMMIT").to_string(),
-        environment: crate::environment::environment(),
+        environment: environment(suite, &checkpoints),
         shard: opts.shard,
         faults: opts.faults.list().iter().map(|f| f.name().to_string()).collect(),
         checkpoints,
         rows,
         summary,
     }
+}
+
+/// Where this run computed: this process's device, and the device each pinned reference's
+/// child said it computed on (`builtin:dense@cpu` -> `cpu`), so a device parity report names
+/// both sides in its environment block, not only per checkpoint.
+fn environment(suite: &Suite, checkpoints: &[CheckpointReport]) -> crate::environment::Environment {
+    let mut env = crate::environment::environment();
+    for c in checkpoints {
+        let Some(spec) = suite.checkpoints.iter().find(|s| s.name == c.name) else { continue };
+        let reference = spec.engine.reference();
+        if let ReferenceSpec::Builtin(BuiltinRef { device: Some(_), .. }) = reference
+            && let Some(device) = c.reference_engine.as_ref().and_then(|e| e.device.clone())
+        {
+            env.reference_devices.insert(reference.describe(), device);
+        }
+    }
+    env
 }
 
 /// The cells of one checkpoint this run (filters and shard applied). Shards split the suite
@@ -224,7 +243,7 @@ fn run_checkpoint(
     let rows = match &spec.engine {
         // A server cannot be stepped: it runs the request-level scenarios.
         EngineSpec::Openai(o) => requests::run(&r, o, cells, opts, progress, &mut report),
-        EngineSpec::Builtin | EngineSpec::Process(_) => steps::run(&r, cells, opts, progress, &mut report),
+        EngineSpec::Builtin { .. } | EngineSpec::Process(_) => steps::run(&r, cells, opts, progress, &mut report),
     };
     (report, rows)
 }

@@ -33,7 +33,7 @@ pub(super) fn run(
     let (suite, spec) = (r.suite, r.spec);
     report.max_logprob_delta_tolerance = Some(spec.tolerance.max_logprob_delta);
     report.bitwise = spec.tolerance.bitwise;
-    report.engine = Some(EngineId { kind: "openai".into(), name: o.name.clone(), version: String::new() });
+    report.engine = Some(EngineId::unnamed("openai", &o.name));
     report.reference_path = Some(o.reference.clone());
     if !opts.faults.is_empty() {
         // parity can plant faults only in its own runtime: a selftest through a server would
@@ -110,7 +110,7 @@ pub(super) fn run(
         }
     }
     if let Some(fp) = references.values().find_map(|a| a.as_ref().ok()?.fingerprint.clone()) {
-        report.reference_engine = Some(EngineId { kind: "openai".into(), name: o.name.clone(), version: fp });
+        report.reference_engine = Some(EngineId { version: fp, ..EngineId::unnamed("openai", &o.name) });
     }
     // Scripts (explored or pinned) ask for references as they go: the reference server stays
     // up for them (idle while a path's server answers). Otherwise one server is alive at a time.

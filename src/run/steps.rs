@@ -16,7 +16,7 @@ use crate::engine::{Dirs, Engine, EnginePath};
 use crate::report::{CheckpointReport, CheckpointStatus, Phase, Row, row_id};
 use crate::scenario::explore::{self, Budget};
 use crate::scenario::{self, CaseOutput, Outcome, Selector, Setup};
-use crate::vocab::{EngineSpec, Prompt, Scenario, Verdict};
+use crate::vocab::{BuiltinRef, EngineSpec, Prompt, Scenario, Verdict};
 
 pub(super) fn run(
     r: &Resolved,
@@ -72,7 +72,9 @@ pub(super) fn run(
             paths.insert(c.path.clone(), engine.open(Some(&c.path)).map_err(|e| e.to_string()));
         }
     }
-    if !matches!(spec.engine, EngineSpec::Builtin) {
+    // Starting a child (an adapter, or a reference pinned to another device) is a phase of
+    // its own; the in-process builtin starts nothing.
+    if !matches!(spec.engine, EngineSpec::Builtin { reference: BuiltinRef { device: None, .. } }) {
         report.phases.push(Phase { name: "start".into(), seconds: t.elapsed().as_secs_f64() });
     }
     let reference_info = reference.info().clone();

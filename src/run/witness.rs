@@ -440,7 +440,7 @@ mod tests {
     fn info(block_size: Option<usize>) -> PathInfo {
         PathInfo {
             name: "p".into(),
-            engine: EngineId::builtin(),
+            engine: EngineId::builtin("cpu".into()),
             vocab_size: 10,
             dtype: crate::dtype::DtypeName::Float32,
             capabilities: Capabilities {

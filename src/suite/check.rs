@@ -13,7 +13,7 @@ use super::raw::{RawEngine, RawPath, RawScript, SettingsPatch, TolerancePatch};
 use super::{SuiteError, line_col, openai};
 use crate::dtype::DtypeSetting;
 use crate::vocab::{
-    BuiltinPath, CLAIMS, CheckpointSpec, EngineSpec, Op, Pinned, ProcessSpec, PromptSource, PromptSpec, REQUIREMENTS,
+    BuiltinRef, CLAIMS, CheckpointSpec, EngineSpec, Op, Pinned, ProcessSpec, PromptSource, PromptSpec, REQUIREMENTS,
     ReferenceSpec, RequestPrompt, RequestScript, Scenario, Script, ScriptSpec, Settings, Tolerance, Verdict, Witness,
 };
 
@@ -341,10 +341,29 @@ impl Ctx<'_> {
                 if let Some(p) = &e.paths {
                     return Err(only_process("paths", p.span()));
                 }
-                if let Some(r) = &e.reference {
-                    return Err(only_process("reference", r.span()));
-                }
-                Ok(EngineSpec::Builtin)
+                // A builtin engine's paths are parity's own, so its reference can only be one of
+                // them too: in process (`builtin:paged`) or on a named device
+                // (`builtin:dense@cpu`), which is what device parity is spelled as.
+                let reference = match &e.reference {
+                    None => BuiltinRef::DENSE,
+                    Some(r) => match ReferenceSpec::parse_builtin(r.get_ref()) {
+                        Some(Ok(b)) => b,
+                        None => {
+                            return Err(self.err(
+                                r.span(),
+                                format!(
+                                    "engine.reference: `{}` is not a builtin reference; a builtin engine is compared with one of {}",
+                                    r.get_ref(),
+                                    ReferenceSpec::builtin_spellings()
+                                ),
+                            ));
+                        }
+                        Some(Err(m)) => {
+                            return Err(self.err(r.span(), format!("engine.reference: `{}`: {m}", r.get_ref())));
+                        }
+                    },
+                };
+                Ok(EngineSpec::Builtin { reference })
             }
             "process" => {
                 let command = e
@@ -381,21 +400,20 @@ impl Ctx<'_> {
                 }
                 let reference = match &e.reference {
                     None => ReferenceSpec::Path(names[0].to_string()),
-                    Some(r) => match r.get_ref().strip_prefix("builtin:") {
-                        Some(b) => ReferenceSpec::Builtin(
-                            b.parse().map_err(|m: String| self.err(r.span(), format!("engine.reference: {m}")))?,
+                    Some(r) => match ReferenceSpec::parse_builtin(r.get_ref()) {
+                        Some(parsed) => ReferenceSpec::Builtin(
+                            parsed
+                                .map_err(|m| self.err(r.span(), format!("engine.reference: `{}`: {m}", r.get_ref())))?,
                         ),
                         None if names.contains(&r.get_ref().as_str()) => ReferenceSpec::Path(r.get_ref().clone()),
                         None => {
-                            let builtin: Vec<String> =
-                                BuiltinPath::ALL.iter().map(|p| format!("builtin:{}", p.name())).collect();
                             return Err(self.err(
                                 r.span(),
                                 format!(
                                     "engine.reference: `{}` is not a path of this engine ({}) nor {}",
                                     r.get_ref(),
                                     names.join(", "),
-                                    builtin.join(" / ")
+                                    ReferenceSpec::builtin_spellings()
                                 ),
                             ));
                         }

@@ -64,7 +64,7 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
     let suite_dtype = raw.dtype.as_ref().map(|d| cx.dtype(d)).transpose()?.unwrap_or(DtypeSetting::Float32);
     let suite_engine = match &raw.engine {
         Some(e) => cx.engine(e)?,
-        None => EngineSpec::Builtin,
+        None => EngineSpec::Builtin { reference: crate::vocab::BuiltinRef::DENSE },
     };
     let suite_witness = cx.witness(raw.engine.as_ref(), &suite_engine)?;
     let mut suite_settings = Settings::default();

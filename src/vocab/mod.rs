@@ -15,7 +15,7 @@ mod verdict;
 
 pub use distribution::{Band, Bound, Distribution, DistributionTolerance, PositionSample, Spread};
 pub use evidence::{CLAIMS, Evidence, MEMORY_CLAIMS, REQUIREMENTS, Status, Witness};
-pub use path::{BuiltinPath, EngineId};
+pub use path::{BuiltinPath, BuiltinRef, Device, EngineId};
 pub use scenario::{Arrival, ConcurrentSettings, REQUEST_LEVEL, STEP_LEVEL, Scenario, Settings};
 pub use script::{Op, PromptCut, Request, RequestPrompt, RequestScript, RequestWhen, Script};
 pub use suite::{

@@ -14,11 +14,26 @@ pub struct EngineId {
     pub kind: String,
     pub name: String,
     pub version: String,
+    /// The MLX device it computed on (`cpu`, `gpu`), where it says: parity's builtin paths and
+    /// parity's own adapter do. Device parity compares two of these, so each side names its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
 }
 
 impl EngineId {
-    pub fn builtin() -> Self {
-        EngineId { kind: "builtin".into(), name: "parity".into(), version: env!("CARGO_PKG_VERSION").into() }
+    /// parity's runtime in this process, on `device` (this process's MLX default).
+    pub fn builtin(device: String) -> Self {
+        EngineId {
+            kind: "builtin".into(),
+            name: "parity".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            device: Some(device),
+        }
+    }
+
+    /// An engine that says nothing about itself yet (planning, a server before it answers).
+    pub fn unnamed(kind: &str, name: &str) -> Self {
+        EngineId { kind: kind.into(), name: name.into(), version: String::new(), device: None }
     }
 }
 
@@ -65,6 +80,69 @@ impl BuiltinPath {
             .copied()
             .filter(|f| self.attention == AttentionMode::Batched || !batched_only.contains(f))
             .collect()
+    }
+}
+
+/// A device a builtin reference can be pinned to (`builtin:dense@cpu`). Not `auto`: a pinned
+/// reference exists to name the other side's device, and `auto` would leave it to each machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Device {
+    Cpu,
+    Gpu,
+}
+
+impl Device {
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Gpu => "gpu",
+        }
+    }
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "gpu" => Ok(Device::Gpu),
+            other => Err(format!("unknown device `{other}`; expected cpu or gpu")),
+        }
+    }
+}
+
+/// parity's builtin runtime as a reference: a path, and the device it runs on when that is
+/// named (`dense@cpu`). Unpinned, it runs in this process on the run's `--device`. Pinned, it
+/// runs in a child process (`parity adapter --device D`): MLX has one default device per
+/// process, so the only way two sides compute on two devices is two processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BuiltinRef {
+    pub path: BuiltinPath,
+    pub device: Option<Device>,
+}
+
+impl BuiltinRef {
+    /// The default reference of a builtin engine: dense, batched, in process.
+    pub const DENSE: BuiltinRef = BuiltinRef { path: BuiltinPath::batched(Backend::Dense), device: None };
+
+    /// `dense` or `dense@cpu`, as a suite writes it after `builtin:`.
+    pub fn name(self) -> String {
+        match self.device {
+            None => self.path.name(),
+            Some(d) => format!("{}@{}", self.path.name(), d.name()),
+        }
+    }
+}
+
+impl std::str::FromStr for BuiltinRef {
+    type Err = String;
+    /// `PATH` or `PATH@DEVICE`; each error names the part that is wrong and what is allowed.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let (path, device) = match s.split_once('@') {
+            None => (s, None),
+            Some((p, d)) => (p, Some(d.parse::<Device>()?)),
+        };
+        Ok(BuiltinRef { path: path.parse()?, device })
     }
 }
 

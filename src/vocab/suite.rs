@@ -9,7 +9,9 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 
 use super::audit::{Problem, lengths_problem, request_level_problems, settings_problems};
-use super::{BuiltinPath, DistributionTolerance, RequestScript, Scenario, Script, Settings, Verdict, Witness};
+use super::{
+    BuiltinPath, BuiltinRef, DistributionTolerance, RequestScript, Scenario, Script, Settings, Verdict, Witness,
+};
 use crate::dtype::DtypeSetting;
 use crate::kv::Backend;
 
@@ -17,8 +19,9 @@ use crate::kv::Backend;
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineSpec {
     /// parity's own runtime: paths `dense` and `paged` (batched attention) unless the suite
-    /// also names `dense-rowwise`, `paged-rowwise`; reference `dense`.
-    Builtin,
+    /// also names `dense-rowwise`, `paged-rowwise`; reference `dense` in process unless the
+    /// suite names another (`builtin:dense@cpu`: the same runtime on another device).
+    Builtin { reference: BuiltinRef },
     /// An adapter process per path, speaking the step protocol (docs/step-protocol.md).
     Process(ProcessSpec),
     /// An OpenAI-compatible HTTP server per path, driven at request level
@@ -30,7 +33,7 @@ impl EngineSpec {
     /// The paths a checkpoint runs when the suite names none, in the order written.
     pub fn path_names(&self) -> Vec<String> {
         match self {
-            EngineSpec::Builtin => BuiltinPath::DEFAULT.iter().map(|p| p.name()).collect(),
+            EngineSpec::Builtin { .. } => BuiltinPath::DEFAULT.iter().map(|p| p.name()).collect(),
             EngineSpec::Process(p) => p.paths.iter().map(|(n, _)| n.clone()).collect(),
             EngineSpec::Openai(o) => o.paths.iter().map(|p| p.name.clone()).collect(),
         }
@@ -39,22 +42,24 @@ impl EngineSpec {
     /// Every path a suite may name for this engine.
     pub fn known_paths(&self) -> Vec<String> {
         match self {
-            EngineSpec::Builtin => BuiltinPath::ALL.iter().map(|p| p.name()).collect(),
+            EngineSpec::Builtin { .. } => BuiltinPath::ALL.iter().map(|p| p.name()).collect(),
             EngineSpec::Process(_) | EngineSpec::Openai(_) => self.path_names(),
         }
     }
 
     pub fn reference(&self) -> ReferenceSpec {
         match self {
-            EngineSpec::Builtin => ReferenceSpec::Builtin(BuiltinPath::batched(Backend::Dense)),
+            EngineSpec::Builtin { reference } => ReferenceSpec::Builtin(*reference),
             EngineSpec::Process(p) => p.reference.clone(),
             EngineSpec::Openai(o) => ReferenceSpec::Path(o.reference.clone()),
         }
     }
 
-    /// parity must load the weights itself (a builtin path or a builtin reference).
+    /// parity must load the weights itself (a builtin path, or a builtin reference run in this
+    /// process; a pinned one loads them in its own child).
     pub fn needs_builtin(&self) -> bool {
-        matches!(self.reference(), ReferenceSpec::Builtin(_)) || matches!(self, EngineSpec::Builtin)
+        matches!(self.reference(), ReferenceSpec::Builtin(BuiltinRef { device: None, .. }))
+            || matches!(self, EngineSpec::Builtin { .. })
     }
 }
 
@@ -81,8 +86,9 @@ pub enum ReferenceSpec {
     /// A path of the checkpoint's own engine.
     Path(String),
     /// A path of parity's builtin runtime on the same checkpoint (`builtin:dense`): an engine
-    /// checked against an independent implementation, not only against itself.
-    Builtin(BuiltinPath),
+    /// checked against an independent implementation, not only against itself. Pinned to a
+    /// device (`builtin:dense@cpu`), it runs there in a child process: device parity.
+    Builtin(BuiltinRef),
 }
 
 impl ReferenceSpec {
@@ -92,6 +98,19 @@ impl ReferenceSpec {
             ReferenceSpec::Path(p) => p.clone(),
             ReferenceSpec::Builtin(b) => format!("builtin:{}", b.name()),
         }
+    }
+
+    /// `builtin:PATH` or `builtin:PATH@DEVICE` as a suite writes it; `None` when `s` is not
+    /// spelled `builtin:` at all (then it names one of the engine's own paths).
+    pub fn parse_builtin(s: &str) -> Option<std::result::Result<BuiltinRef, String>> {
+        s.strip_prefix("builtin:").map(str::parse)
+    }
+
+    /// Every builtin spelling, for error messages: `builtin:dense / ... / builtin:PATH@cpu|gpu`.
+    pub fn builtin_spellings() -> String {
+        let mut all: Vec<String> = BuiltinPath::ALL.iter().map(|p| format!("builtin:{}", p.name())).collect();
+        all.push("builtin:PATH@cpu|gpu".into());
+        all.join(" / ")
     }
 }
 
@@ -296,7 +315,7 @@ impl CheckpointSpec {
     /// whether they are paged), so none of them counts here.
     pub fn kv_backends(&self) -> Vec<Backend> {
         match self.engine {
-            EngineSpec::Builtin => {
+            EngineSpec::Builtin { .. } => {
                 let mut kv: Vec<Backend> = Vec::new();
                 for p in self.paths.iter().filter_map(|p| p.parse::<BuiltinPath>().ok()) {
                     if !kv.contains(&p.backend) {
