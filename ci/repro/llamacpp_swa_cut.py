@@ -1,7 +1,8 @@
 """llama.cpp (llama-cpp-python 0.3.36's vendored tree): a sliding-window model's sequence cut back
 with llama_memory_seq_rm silently loses rows its window still needs.
 
-    ci/llama-cpp ci/repro/llamacpp_swa_cut.py [GGUF]    (default: Gemma 3 270M with F32 weights)
+    ci/llama-cpp ci/repro/llamacpp_swa_cut.py [GGUF]    (default: Gemma 3 270M with F32 weights,
+                                                         made by ci/llama-cpp --setup gemma3)
 
 An iSWA memory (llama-kv-cache-iswa.cpp: a base cache for the global layers, a window cache for
 the sliding ones) keeps in its window cache only what a sequence's *next* token attends to:
