@@ -229,8 +229,10 @@ def main():
     if wanted == "cpu" or (wanted == "auto" and sys.platform != "darwin"):
         mx.set_default_device(mx.cpu)
     elif wanted == "gpu":
-        if not mx.metal.is_available():
-            p.error("PARITY_DEVICE=gpu but this MLX has no GPU (Metal) backend")
+        # Metal on macOS, CUDA where the mlx-cuda wheel is installed (mx.cuda exists in 0.32).
+        cuda = getattr(mx, "cuda", None)
+        if not (mx.metal.is_available() or (cuda is not None and cuda.is_available())):
+            p.error("PARITY_DEVICE=gpu but this MLX has no GPU backend (neither Metal nor CUDA)")
         mx.set_default_device(mx.gpu)
     device = "cpu" if mx.default_device().type == mx.DeviceType.cpu else "gpu"
 
