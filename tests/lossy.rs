@@ -232,3 +232,40 @@ miscounted = ["--count-off", "1"]
     assert!(failure.contains("position 0") && failure.contains("counted 2 prompt tokens, parity sent 1"), "{failure}");
     common::assert_no_leftovers(&tag);
 }
+
+/// A path that answers a NaN logit mid-corpus fails its row at that position. Before the
+/// check, its KL read as 0 there (`f32::max` drops a NaN), so a path emitting NaN could read
+/// as closer to the reference than an exact one; its healthy twin still passes.
+#[test]
+fn nan_logits_fail_a_corpus_row_instead_of_reading_as_exact() {
+    let repo = common::repo();
+    let parity = env!("CARGO_BIN_EXE_parity");
+    let misbehave = repo.join("tests/adapters/misbehave.py");
+    let entry = format!(
+        r#"[[checkpoints]]
+path = "{fixture}"
+backends = ["healthy", "nan"]
+[checkpoints.engine]
+kind = "process"
+command = ["env"]
+reference = "dense"
+[checkpoints.engine.paths]
+dense = [{parity:?}, "adapter", "{{model}}", "--path", "dense"]
+healthy = [{parity:?}, "adapter", "{{model}}", "--path", "paged"]
+nan = ["python3", {misbehave:?}, "nan-logits", "3", "--", {parity:?}, "adapter", "{{model}}", "--path", "paged"]
+"#,
+        fixture = repo.join("fixtures/qwen3-tiny.toml").display(),
+        misbehave = misbehave.display().to_string(),
+    );
+    let file = suite("corpus-nan", 24, "", &entry);
+    let (code, out, r) = common::run_report("corpus-nan", &[file.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    let healthy = row(&r, "corpus", "healthy");
+    assert_eq!(healthy.len(), 1, "{out}");
+    assert!(healthy[0].pass, "{:?}", healthy[0].failure);
+    let nan = row(&r, "corpus", "nan");
+    assert_eq!(nan.len(), 1, "{out}");
+    assert!(!nan[0].pass, "{out}");
+    let failure = nan[0].failure.as_deref().unwrap_or_default();
+    assert!(failure.contains("the path's logits (corpus position) are not finite"), "{failure}");
+}

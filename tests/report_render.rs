@@ -78,6 +78,7 @@ fn checkpoint(name: &str, reference: &str, status: CheckpointStatus) -> Checkpoi
         max_logprob_delta_tolerance: None,
         bitwise: false,
         allowed_verdicts: vec![Verdict::Identical, Verdict::NearTie],
+        no_snapshot: None,
         phases: if ran {
             vec![
                 Phase { name: "load".into(), seconds: 0.25 },
@@ -463,4 +464,25 @@ fn html_draws_logprob_curves_for_server_rows() {
     assert!(panel.contains("<title>tolerance 1.0e-1</title>"), "the logprob tolerance, not the RMS one");
     assert!(panel.contains("● |Δ logprob|"), "the legend names the curve");
     assert!(page.contains("max |Δ logprob| 1.260e0"), "the small multiple's summary");
+}
+
+/// A `no_snapshot` checkpoint (a server whose failing rows follow request timing) yields no
+/// snapshot, so its run-to-run changes never read as a code change; the other checkpoints
+/// keep theirs, and the table and Markdown say why it has none, every run.
+#[test]
+fn a_no_snapshot_checkpoint_is_judged_but_not_snapshotted() {
+    let mut r = report();
+    let all = parity::report::snapshot::render(&r);
+    let why = "which rows fail follows request timing";
+    r.checkpoints[0].no_snapshot = Some(why.into());
+    let name = r.checkpoints[0].name.clone();
+    assert!(all.keys().any(|k| k.starts_with(&format!("{name}__"))), "{:?}", all.keys());
+    let left = parity::report::snapshot::render(&r);
+    let prefix = format!("{name}__");
+    let others: Vec<&String> = all.keys().filter(|k| !k.starts_with(&prefix)).collect();
+    assert_eq!(left.keys().collect::<Vec<_>>(), others);
+    assert!(table::render(&r, false).contains(&format!("not snapshotted: {name}: {why}")));
+    assert!(markdown::render(&r).contains(&format!("### Not snapshotted\n\n- `{name}`: {why}")));
+    // The rows are still judged: the failing row still fails the report.
+    assert!(r.failed());
 }

@@ -404,3 +404,19 @@ fn an_engine_model_file_is_for_engines_that_load_one() {
     }
     assert_at(&with("[engine]\nkind = \"builtin\"\nmodel = \"m.gguf\""), at, "the builtin runs the checkpoint itself");
 }
+
+/// `no_snapshot` takes the reason a reader of the run will see; an empty one is refused where
+/// it is written, and a given one reaches the checkpoint trimmed.
+#[test]
+fn no_snapshot_needs_a_reason() {
+    let with = |why: &str| {
+        GOOD.replace(
+            "path = \"../fixtures/llama-tiny.toml\"",
+            &format!("path = \"../fixtures/llama-tiny.toml\"\nno_snapshot = \"{why}\""),
+        )
+    };
+    assert_at(&with("  "), 10, "no_snapshot: say why");
+    let s = parity::parse_suite(Path::new("suites/x.toml"), &with(" rows follow request timing ")).expect("parses");
+    assert_eq!(s.checkpoints[0].no_snapshot.as_deref(), Some("rows follow request timing"));
+    assert_eq!(parity::parse_suite(Path::new("suites/x.toml"), GOOD).expect("parses").checkpoints[0].no_snapshot, None);
+}

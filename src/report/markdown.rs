@@ -90,6 +90,19 @@ pub fn render(report: &Report) -> String {
         out.push('\n');
     }
 
+    let unsnapshotted: Vec<_> = report
+        .checkpoints
+        .iter()
+        .filter(|c| c.status == CheckpointStatus::Ran)
+        .filter_map(|c| Some((&c.name, c.no_snapshot.as_ref()?)))
+        .collect();
+    if !unsnapshotted.is_empty() {
+        out.push_str("### Not snapshotted\n\n");
+        for (name, why) in unsnapshotted {
+            let _ = writeln!(out, "- {}: {why}", code(name));
+        }
+        out.push('\n');
+    }
     if !s.snapshot_changes.is_empty() {
         out.push_str("### Snapshot changes\n\n");
         for name in &s.snapshot_changes {

@@ -88,6 +88,9 @@ pub struct CheckpointReport {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub bitwise: bool,
     pub allowed_verdicts: Vec<Verdict>,
+    /// Why this checkpoint's rows are not snapshotted (`no_snapshot` in the suite).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_snapshot: Option<String>,
     /// Wall time per phase (load, references, each scenario), seconds.
     pub phases: Vec<Phase>,
     /// Noise floor per prompt: the reference re-run in a different batch composition.

@@ -78,10 +78,12 @@ fn outside(message: String) -> std::io::Error {
 }
 
 /// File stem and content of every snapshot this report yields: one per (checkpoint, scenario)
-/// of each checkpoint that ran.
+/// of each checkpoint that ran and is snapshotted (not `no_snapshot`).
 pub fn render(report: &Report) -> BTreeMap<String, String> {
+    let snapshotted =
+        || report.checkpoints.iter().filter(|c| c.status == CheckpointStatus::Ran && c.no_snapshot.is_none());
     let mut groups: BTreeMap<(String, String), Vec<&Row>> = BTreeMap::new();
-    for c in report.checkpoints.iter().filter(|c| c.status == CheckpointStatus::Ran) {
+    for c in snapshotted() {
         for r in report.rows.iter().filter(|r| r.checkpoint == c.name) {
             groups.entry((c.name.clone(), r.scenario.clone())).or_default().push(r);
         }
@@ -129,7 +131,7 @@ pub fn render(report: &Report) -> BTreeMap<String, String> {
         }
         out.insert(file_stem(&checkpoint, &scenario), s);
     }
-    for c in report.checkpoints.iter().filter(|c| c.status == CheckpointStatus::Ran && !c.prompt_ids.is_empty()) {
+    for c in snapshotted().filter(|c| !c.prompt_ids.is_empty()) {
         if report.rows.iter().any(|r| r.checkpoint == c.name) {
             out.insert(file_stem(&c.name, PROMPTS), prompts(report, c));
         }

@@ -130,6 +130,12 @@ pub fn tail(report: &Report, color: bool) -> String {
 
     let s = &report.summary;
     out.push('\n');
+    // Said every run: a reader must not take an absent snapshot change for a checked one.
+    for c in report.checkpoints.iter().filter(|c| c.status == CheckpointStatus::Ran) {
+        if let Some(why) = &c.no_snapshot {
+            let _ = writeln!(out, "not snapshotted: {}: {why}", c.name);
+        }
+    }
     for name in &s.snapshot_changes {
         let _ = writeln!(out, "{}: {name}", Change::of(name, &s.snapshot_new).label());
     }

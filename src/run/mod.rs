@@ -180,6 +180,7 @@ fn checkpoint_report(spec: &CheckpointSpec, status: CheckpointStatus) -> Checkpo
         max_logprob_delta_tolerance: None,
         bitwise: false,
         allowed_verdicts: spec.tolerance.allow.clone(),
+        no_snapshot: spec.no_snapshot.clone(),
         phases: Vec::new(),
         noise_floor: BTreeMap::new(),
         prompt_ids: BTreeMap::new(),

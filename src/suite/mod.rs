@@ -212,6 +212,13 @@ pub fn parse(file: &Path, text: &str) -> Result<Suite, SuiteError> {
             tolerance,
             prompts: prompt_names,
             witness,
+            no_snapshot: match &c.no_snapshot {
+                Some(w) if w.get_ref().trim().is_empty() => {
+                    return Err(cx.err(w.span(), "no_snapshot: say why this checkpoint's rows are not snapshotted"));
+                }
+                Some(w) => Some(w.get_ref().trim().to_string()),
+                None => None,
+            },
         };
         cx.audit(&spec, &prompts, &spans, span)?;
         checkpoints.push(spec);

@@ -62,6 +62,8 @@ pub(super) struct RawCheckpoint {
     pub(super) prompts: Option<Vec<Spanned<String>>>,
     pub(super) settings: Option<SettingsPatch>,
     pub(super) tolerance: Option<TolerancePatch>,
+    /// Why this checkpoint's rows are not snapshotted (see `CheckpointSpec::no_snapshot`).
+    pub(super) no_snapshot: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]

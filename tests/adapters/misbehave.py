@@ -12,6 +12,7 @@ MODE (N counts `forward` requests, 1-based; default 3):
   garbage         answer the Nth forward with a line that is not JSON
   hang            never answer the Nth forward (parity's timeout must fire)
   wrong-logits    answer the Nth forward with logits of the wrong shape
+  nan-logits      answer the Nth forward with its first logit NaN (the rest faithful)
   deaf            close stdin and sleep without ever answering: nothing but a signal ends it
                   (the test that parity's children die with a parity killed by SIGKILL)
   fake-trim       claim every trim succeeded without passing it on; lengths in later
@@ -33,6 +34,7 @@ import base64
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -122,6 +124,13 @@ def main():
             if mode == "wrong-logits":
                 msg = json.loads(answer)
                 msg["logits"]["shape"][1] -= 1
+                print(json.dumps(msg), flush=True)
+                continue
+            if mode == "nan-logits":
+                msg = json.loads(answer)
+                raw = bytearray(base64.b64decode(msg["logits"]["b64"]))
+                raw[0:4] = struct.pack("<f", float("nan"))
+                msg["logits"]["b64"] = base64.b64encode(bytes(raw)).decode()
                 print(json.dumps(msg), flush=True)
                 continue
         if mode == "recompute-share":
