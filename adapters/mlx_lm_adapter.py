@@ -90,15 +90,19 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16", "native")
 
 
 def pick_device(mx):
+    """Set MLX's default device as PARITY_DEVICE says; return it as hello names it."""
     wanted = os.environ.get("PARITY_DEVICE", "auto") or "auto"
     if wanted not in ("auto", "cpu", "gpu"):
         sys.exit(f"PARITY_DEVICE={wanted}: expected auto, cpu or gpu")
     if wanted == "cpu" or (wanted == "auto" and sys.platform != "darwin"):
         mx.set_default_device(mx.cpu)
     elif wanted == "gpu":
-        if not mx.metal.is_available():
-            sys.exit("PARITY_DEVICE=gpu but this MLX has no GPU (Metal) backend")
+        # Metal on macOS, CUDA where the mlx-cuda wheel is installed (mx.cuda exists in 0.32).
+        cuda = getattr(mx, "cuda", None)
+        if not (mx.metal.is_available() or (cuda is not None and cuda.is_available())):
+            sys.exit("PARITY_DEVICE=gpu but this MLX has no GPU backend (neither Metal nor CUDA)")
         mx.set_default_device(mx.gpu)
+    return "cpu" if mx.default_device().type == mx.DeviceType.cpu else "gpu"
 
 
 def cast_model(mx, model, dtype):
@@ -633,7 +637,7 @@ class MlxLmEngine(Engine):
         self.args = args
         self.version = mlx_lm.__version__
         self.path = None
-        pick_device(mx)
+        self.device = pick_device(mx)
         if args.model:
             self.load_model(args.model)
 

@@ -74,6 +74,10 @@ class Engine:
     #: Recorded in every report.
     name = "engine"
     version = "0"
+    #: Where the path computes ("cpu", "gpu"), or None to leave it unsaid. Recorded beside
+    #: parity's own device, so a report comparing across devices names both sides; a
+    #: reference pinned to a device (`builtin:dense@cpu`) refuses an adapter that names another.
+    device = None
 
     def load(self, model, path, settings):
         """hello: load `model` (the checkpoint directory, or the suite's engine.model) for
@@ -251,9 +255,12 @@ class Server:
         self.vocab = _int(d.get("vocab_size"), "describe(): vocab_size", 1)
         if d.get("dtype") not in ("float32", "bfloat16", "float16"):
             raise RequestError(f"describe(): dtype {d.get('dtype')!r} is not float32, bfloat16 or float16")
+        engine = {"name": self.engine.name, "version": str(self.engine.version)}
+        if self.engine.device is not None:
+            engine["device"] = str(self.engine.device)
         return {
             "protocol": PROTOCOL,
-            "engine": {"name": self.engine.name, "version": str(self.engine.version)},
+            "engine": engine,
             "vocab_size": self.vocab,
             "dtype": d["dtype"],
             "capabilities": d.get("capabilities") or capabilities(),
