@@ -45,6 +45,13 @@ class Protocol(unittest.TestCase):
         self.assertEqual(hello["capabilities"]["kv_row_bytes"], 8)
         self.assertIs(hello["capabilities"]["masked_prefix"], False)
 
+    def test_hello_names_the_device_only_where_the_engine_says_it(self):
+        # A reference pinned to a device (builtin:dense@cpu) is refused unless hello names it.
+        toy = Toy("batched")
+        toy.device = "gpu"
+        _, hello = session(toy)
+        self.assertEqual(hello["engine"], {"name": "toy", "version": "1", "device": "gpu"})
+
     def test_a_wrong_protocol_or_no_hello_is_an_error(self):
         server = Server(Toy("alone"))
         reply, _ = server.reply('{"id": 1, "op": "create", "masked_prefix": 0}')
