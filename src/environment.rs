@@ -14,6 +14,13 @@ pub struct Environment {
     pub mlx_version: String,
     /// `cpu` or `gpu`: MLX's default device for the run.
     pub device: String,
+    /// On a GPU, MLX's backend for it: `cuda` or `metal` (their arithmetic differs, so their
+    /// snapshots live apart); absent on the CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// On a GPU, its name as MLX's `device_info` gives it (`NVIDIA H200`, `Apple M2 Pro`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<String>,
     pub os: String,
     pub arch: String,
     /// The BLAS that ran MLX's CPU matmuls and the kernel it chose, when it says (OpenBLAS:
@@ -36,6 +43,12 @@ pub struct Environment {
 }
 
 impl Environment {
+    /// `cpu`, or `gpu (cuda, NVIDIA H200)`: the device with what MLX said of the GPU.
+    pub fn device_label(&self) -> String {
+        let said: Vec<&str> = self.backend.iter().chain(&self.gpu).map(String::as_str).collect();
+        if said.is_empty() { self.device.clone() } else { format!("{} ({})", self.device, said.join(", ")) }
+    }
+
     /// `MLX_ENABLE_TF32=0`, or `MLX_ENABLE_TF32 unset`, for the renderings' one line.
     pub fn tf32_line(&self) -> String {
         match &self.mlx_enable_tf32 {
@@ -128,10 +141,53 @@ pub fn device() -> String {
     }
 }
 
+/// MLX's backend for its GPU (`cuda`, `metal`), asked of the library that is loaded: parity's
+/// Linux binary is built against the CPU wheel and runs unchanged on the CUDA one.
+fn gpu_backend() -> Option<String> {
+    let mut cuda = false;
+    let mut metal = false;
+    // SAFETY: both calls only write the bool they are given.
+    unsafe {
+        if mlx_sys::mlx_cuda_is_available(&mut cuda) == 0 && cuda {
+            return Some("cuda".into());
+        }
+        if mlx_sys::mlx_metal_is_available(&mut metal) == 0 && metal {
+            return Some("metal".into());
+        }
+    }
+    None
+}
+
+/// The default device's `device_name` as MLX's `device_info` gives it, where it does.
+fn gpu_name() -> Option<String> {
+    // SAFETY: the info object and the device handle are created, read and freed here; the
+    // name's bytes belong to the info object and are copied before it is freed.
+    unsafe {
+        let mut dev = mlx_sys::mlx_device_new();
+        if mlx_sys::mlx_get_default_device(&mut dev) != 0 {
+            mlx_sys::mlx_device_free(dev);
+            return None;
+        }
+        let mut info = mlx_sys::mlx_device_info_new();
+        let mut name: *const libc::c_char = std::ptr::null();
+        let got = mlx_sys::mlx_device_info_get(&mut info, dev) == 0
+            && mlx_sys::mlx_device_info_get_string(&mut name, info, c"device_name".as_ptr()) == 0
+            && !name.is_null();
+        let out = got.then(|| std::ffi::CStr::from_ptr(name).to_string_lossy().trim().to_string());
+        mlx_sys::mlx_device_info_free(info);
+        mlx_sys::mlx_device_free(dev);
+        out.filter(|n| !n.is_empty())
+    }
+}
+
 pub fn environment() -> Environment {
+    let device = device();
+    let gpu = device == "gpu";
     Environment {
         mlx_version: mlx_version(),
-        device: device(),
+        backend: if gpu { gpu_backend() } else { None },
+        gpu: if gpu { gpu_name() } else { None },
+        device,
         os: std::env::consts::OS.into(),
         arch: std::env::consts::ARCH.into(),
         blas: blas(),
@@ -165,4 +221,32 @@ pub fn blas() -> Option<String> {
         Some(core) if !config.contains(&core) => format!("{config} (core {core})"),
         _ => config,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A GPU result must name what ran it: a CUDA and a Metal report would otherwise read
+    /// alike (`gpu`), though their arithmetic differs.
+    #[test]
+    fn the_device_label_says_what_mlx_said_of_the_gpu() {
+        let mut env = Environment {
+            mlx_version: "0.32.2".into(),
+            device: "cpu".into(),
+            backend: None,
+            gpu: None,
+            os: "linux".into(),
+            arch: "x86_64".into(),
+            blas: None,
+            mlx_enable_tf32: None,
+            reference_devices: BTreeMap::new(),
+        };
+        assert_eq!(env.device_label(), "cpu");
+        env.device = "gpu".into();
+        env.backend = Some("cuda".into());
+        assert_eq!(env.device_label(), "gpu (cuda)");
+        env.gpu = Some("NVIDIA H200".into());
+        assert_eq!(env.device_label(), "gpu (cuda, NVIDIA H200)");
+    }
 }

@@ -195,6 +195,8 @@ fn report() -> Report {
         environment: Environment {
             mlx_version: "0.25.1".into(),
             device: "cpu".into(),
+            backend: None,
+            gpu: None,
             os: "linux".into(),
             arch: "x86_64".into(),
             blas: None,

@@ -109,7 +109,7 @@ fn header(out: &mut String, report: &Report) {
         format!(
             "{} on <b>{}</b> ({}/{}){}",
             esc(&env.mlx_version),
-            esc(&env.device),
+            esc(&env.device_label()),
             esc(&env.os),
             esc(&env.arch),
             env.blas.as_ref().map(|b| format!(", BLAS {}", esc(b))).unwrap_or_default()

@@ -67,6 +67,11 @@ fn suite(out: &mut String, report: &Report, name: &str, checkpoint: Option<&Chec
             ("mlx", report.environment.mlx_version.clone()),
             ("mlx_enable_tf32", report.environment.mlx_enable_tf32.clone().unwrap_or_else(|| "unset".into())),
         ];
+        for (key, value) in [("backend", &report.environment.backend), ("gpu", &report.environment.gpu)] {
+            if let Some(v) = value {
+                props.push((key, v.clone()));
+            }
+        }
         // The device of a reference computed in a child (device parity: `builtin:dense@cpu`),
         // as the child said; `device` above is this process's.
         if let Some(re) = c.reference_engine.as_ref().filter(|e| e.kind != "builtin")

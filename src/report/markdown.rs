@@ -27,7 +27,7 @@ pub fn render(report: &Report) -> String {
             format!("{} ({})", report.parity_version, report.parity_commit)
         }),
         code(&env.mlx_version),
-        env.device,
+        env.device_label(),
         env.os,
         env.arch
     );

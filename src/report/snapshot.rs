@@ -66,11 +66,18 @@ pub fn dir(reports: &Path, report: &Report) -> std::io::Result<PathBuf> {
     };
     component("suite name", &report.suite)?;
     let base = reports.join(&report.suite);
-    if report.environment.device == "cpu" {
+    let env = &report.environment;
+    if env.device == "cpu" {
         return Ok(base);
     }
-    component("device", &report.environment.device)?;
-    Ok(base.join(&report.environment.device))
+    // CUDA's arithmetic is neither Metal's nor the CPU's: its snapshots get a folder of their
+    // own. Metal keeps `gpu/` (its snapshots were accepted there before backends were named).
+    let folder = match env.backend.as_deref() {
+        Some("cuda") => "cuda",
+        _ => env.device.as_str(),
+    };
+    component("device", folder)?;
+    Ok(base.join(folder))
 }
 
 fn outside(message: String) -> std::io::Error {
@@ -495,6 +502,30 @@ mod tests {
             assert!(dir(root, &report(bad, "cpu")).is_err(), "{bad}");
         }
         assert!(dir(root, &report("fixtures", "../x")).is_err());
+    }
+
+    /// CUDA results are not Metal's (other kernels, other roundings): a CUDA run accepted into
+    /// `gpu/` would fail every Mac's run, and the other way round.
+    #[test]
+    fn cuda_snapshots_live_apart_from_metal_and_cpu_ones() {
+        let report = |device: &str, backend: Option<&str>| -> Report {
+            let mut env = serde_json::json!({"mlx_version": "0", "device": device, "os": "linux", "arch": "x86_64"});
+            if let Some(b) = backend {
+                env["backend"] = b.into();
+            }
+            serde_json::from_value(serde_json::json!({
+                "schema": 1, "suite": "fixtures", "suite_file": "s.toml", "parity_version": "0",
+                "environment": env, "shard": null, "faults": [], "checkpoints": [], "rows": [],
+                "summary": {"rows": 0, "passed": 0, "failed": 0, "skipped": 0, "by_verdict": {},
+                            "snapshot_changes": [], "seconds": 0.0}
+            }))
+            .expect("report")
+        };
+        let root = Path::new("reports");
+        assert_eq!(dir(root, &report("gpu", Some("cuda"))).expect("cuda"), root.join("fixtures/cuda"));
+        assert_eq!(dir(root, &report("gpu", Some("metal"))).expect("metal"), root.join("fixtures/gpu"));
+        assert_eq!(dir(root, &report("gpu", None)).expect("unnamed"), root.join("fixtures/gpu"));
+        assert_eq!(dir(root, &report("cpu", None)).expect("cpu"), root.join("fixtures"));
     }
 
     #[test]
