@@ -18,7 +18,7 @@
 //! 7. [`report`]: the report types and their renderings.
 //! 8. `run`: planning, the checkpoint loop per kind of engine, and the one judge that turns
 //!    a case into a row.
-//! 9. [`selftest`], `bench`, [`fuzzing`]; `cli` on top.
+//! 9. [`selftest`], `bench`, `locate` (where two devices part), [`fuzzing`]; `cli` on top.
 //!
 //! The public surface is what an embedding user, an engine author or a test needs: running a
 //! suite and reading its report; the vocabulary; the engine interface and the step protocol's
@@ -38,6 +38,7 @@ pub mod faults;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod kv;
+mod locate;
 pub mod model;
 mod names;
 mod proc;

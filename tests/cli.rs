@@ -9,7 +9,12 @@ use std::path::{Path, PathBuf};
 
 fn snapshots(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     let mut v: Vec<(PathBuf, Vec<u8>)> = std::fs::read_dir(dir)
-        .map(|rd| rd.flatten().map(|e| (e.path(), std::fs::read(e.path()).unwrap_or_default())).collect())
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.path().is_file())
+                .map(|e| (e.path(), std::fs::read(e.path()).unwrap_or_default()))
+                .collect()
+        })
         .unwrap_or_default();
     v.sort();
     v
@@ -255,12 +260,16 @@ fn generate_json_and_bad_checkpoint_errors() {
 }
 
 /// The committed reports are insta snapshots as far as insta itself is concerned, which is
-/// what `cargo insta review` / `accept` rely on (checked by hand with cargo-insta 1.49 too).
+/// what `cargo insta review` / `accept` rely on (checked by hand with cargo-insta 1.49 too),
+/// the device subdirectories' (CUDA's `cuda/`, Metal's `gpu/`) as much as the CPU's.
 #[test]
 fn committed_reports_parse_with_insta() {
     let mut checked = 0;
-    for suite in ["fixtures", "qwen3", "llama3", "smollm2"] {
+    let dirs = ["fixtures", "qwen3", "llama3", "smollm2"].into_iter().flat_map(|suite| {
         let dir = common::repo().join("reports").join(suite);
+        [(suite, dir.clone()), (suite, dir.join("cuda")), (suite, dir.join("gpu"))]
+    });
+    for (suite, dir) in dirs {
         for (path, bytes) in snapshots(&dir) {
             let snap = insta::Snapshot::from_file(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             let meta = snap.metadata();
@@ -276,7 +285,7 @@ fn committed_reports_parse_with_insta() {
             checked += 1;
         }
     }
-    assert!(checked >= 17, "{checked} snapshots checked");
+    assert!(checked >= 17 + 28, "{checked} snapshots checked (the CUDA fixture ones among them)");
 }
 
 #[test]

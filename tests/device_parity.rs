@@ -154,3 +154,75 @@ fn the_adapter_names_its_device_in_hello() {
     assert_eq!(v["ok"], true, "{first}");
     assert_eq!(v["engine"]["device"], "cpu", "{first}");
 }
+
+fn locate(args: &[&str]) -> (i32, String, serde_json::Value) {
+    let json = scratch("locate").join(format!("{}.json", args.join("_").replace(['/', ','], "-")));
+    let o = command().arg("locate").args(args).arg("--json").arg(&json).output().expect("run parity locate");
+    let value = std::fs::read_to_string(&json).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+    (code(&o), text(&o), value)
+}
+
+/// Both sides on the CPU: llama-tiny, two identical rows, a prefill and three decode steps.
+const LLAMA_ON_CPU: [&str; 11] = [
+    "fixtures/llama-tiny.toml",
+    "--ids",
+    "5,17,33,9,100,42",
+    "--on",
+    "cpu",
+    "--against",
+    "cpu",
+    "--batch",
+    "2",
+    "--steps",
+    "3",
+];
+
+/// `parity locate` on one device is bit-exact: every tap of every step agrees, exit 0. What
+/// the GPU run reads as reduction-order noise starts from this zero.
+#[test]
+fn locate_on_one_device_finds_every_tap_equal() {
+    let (rc, out, v) = locate(&LLAMA_ON_CPU);
+    assert_eq!(rc, 0, "{out}");
+    assert!(out.contains("every tap within rel RMS 1e-4"), "{out}");
+    let diffs = v["diffs"].as_array().expect("diffs");
+    // 4 steps of 27 taps: embed; per layer (2) input_norm, q/k/v_proj, rope_q/k, attention,
+    // o_proj, attn_residual, mlp_norm, mlp, mlp_residual (llama: no q/k or sandwich norms);
+    // final_norm, logits.
+    assert_eq!(diffs.len(), 4 * 27, "{out}");
+    assert!(diffs.iter().all(|d| d["rel_rms"] == 0.0), "{out}");
+}
+
+/// The RoPE stride aliasing planted on one side (row b of a batched decode rotated at its
+/// offset plus b) is located where it is: not in the prefill (the fault needs one token a
+/// row), not in the projections before it, but at step 1, layer 0's RoPE of q. A regression
+/// guard for the locator: were taps misordered or a side fed other tokens, it would name
+/// another op.
+#[test]
+fn locate_names_the_layer_and_operation_of_a_planted_rope_fault() {
+    let (rc, out, v) = locate(&[&LLAMA_ON_CPU[..], &["--fault", "rope-batch-alias"]].concat());
+    assert_eq!(rc, 1, "{out}");
+    assert_eq!((v["first"]["step"].as_u64(), v["first"]["name"].as_str()), (Some(1), Some("layer 0 rope_q")), "{out}");
+    assert!(out.contains("first past rel RMS 1e-4 at step 1, layer 0 rope_q"), "{out}");
+}
+
+/// A window bookkeeping fault (a sliding layer's block released one block too soon) shows at
+/// the first step whose window still needs that block, in a sliding layer's attention, with
+/// its q, k and RoPE exact: the pool, not the projections.
+#[test]
+fn locate_names_the_attention_of_a_window_released_too_early() {
+    let ids = "5,17,33,9,100,42,7,8,9,10,11,12,13,14";
+    let args = ["fixtures/gemma3-tiny.toml", "--ids", ids, "--on", "cpu", "--against", "cpu", "--path", "paged"];
+    let (rc, out, v) =
+        locate(&[&args[..], &["--block-size", "8", "--steps", "6", "--fault", "window-release-early"]].concat());
+    assert_eq!(rc, 1, "{out}");
+    assert_eq!(v["first"]["name"].as_str(), Some("layer 0 attention"), "{out}");
+    assert_eq!(v["first"]["step"].as_u64(), Some(3), "{out}");
+}
+
+#[test]
+fn locate_refuses_a_token_outside_the_vocabulary_naming_it() {
+    let (rc, out, _) = locate(&["fixtures/llama-tiny.toml", "--ids", "5,99999999", "--on", "cpu", "--against", "cpu"]);
+    assert_eq!(rc, 2, "{out}");
+    assert!(out.contains("token id 99999999 is outside the vocabulary"), "{out}");
+    assert!(!out.contains("panicked"), "{out}");
+}

@@ -6,6 +6,7 @@ mod bench;
 mod explore;
 mod generate;
 mod inspect;
+mod locate;
 mod merge;
 mod review;
 mod run;
@@ -104,6 +105,8 @@ enum Command {
     Selftest(selftest::Args),
     /// Speed and KV memory of both decode paths (and mlx-lm, given its JSON).
     Bench(bench::Args),
+    /// Where two devices part: one builtin path on both, every layer's operations compared.
+    Locate(locate::Args),
     /// Merge the JSON reports of a sharded run into one report.
     Merge(merge::Args),
     /// Serve parity's runtime over the step protocol (an engine adapter; docs/step-protocol.md).
@@ -128,6 +131,7 @@ pub fn main() -> ExitCode {
         Command::Selftest(a) => Some(a.common.device),
         Command::Bench(a) => Some(a.device),
         Command::Adapter(a) => Some(a.device),
+        Command::Locate(a) => a.device(),
         Command::Inspect(_) | Command::Review(_) | Command::Accept(_) | Command::Reject(_) | Command::Merge(_) => None,
     };
     if let Some(d) = device
@@ -149,6 +153,7 @@ pub fn main() -> ExitCode {
         Command::Selftest(a) => selftest::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Merge(a) => merge::run(a),
+        Command::Locate(a) => locate::run(a),
         Command::Adapter(a) => adapter::run(a),
     };
     match result {

@@ -69,6 +69,37 @@ pub struct Model {
     faults: std::cell::Cell<Faults>,
 }
 
+/// Named intermediates of one forward pass, in the order they were computed: what `parity
+/// locate` compares between two devices to name the first layer and operation where they part.
+/// A pass without taps records nothing and costs nothing; with them, each tapped array is kept
+/// alive until the caller evaluates it (both sides of a comparison tap alike).
+#[derive(Default)]
+pub struct Taps {
+    taps: std::cell::RefCell<Vec<(String, Array)>>,
+}
+
+impl Taps {
+    /// Record `a` as operation `op` of `layer` (`None`: outside the layers).
+    pub fn tap(&self, layer: Option<usize>, op: &str, a: &Array) {
+        let name = match layer {
+            Some(l) => format!("layer {l} {op}"),
+            None => op.to_string(),
+        };
+        self.taps.borrow_mut().push((name, a.clone()));
+    }
+
+    pub fn into_inner(self) -> Vec<(String, Array)> {
+        self.taps.into_inner()
+    }
+}
+
+/// Tap `a` when the pass is traced.
+pub(crate) fn tap(taps: Option<&Taps>, layer: Option<usize>, op: &str, a: &Array) {
+    if let Some(t) = taps {
+        t.tap(layer, op, a);
+    }
+}
+
 /// One row of a forward step: a sequence and the tokens to append to it. Rows in one step
 /// share a token count; tokens past `n_real` are padding and the logits are taken at the last
 /// real token.
@@ -203,6 +234,17 @@ impl Model {
     /// Each row's K/V rows are reserved in `kv` first; the row's RoPE offset is derived from
     /// that reservation (the sequence's one counter), never tracked here.
     pub fn forward_mode(&self, kv: &mut dyn KvCache, rows: &[RowStep], mode: AttentionMode) -> Result<Array> {
+        self.forward_traced(kv, rows, mode, None)
+    }
+
+    /// [`Model::forward_mode`], recording its intermediates in `taps`.
+    pub fn forward_traced(
+        &self,
+        kv: &mut dyn KvCache,
+        rows: &[RowStep],
+        mode: AttentionMode,
+        taps: Option<&Taps>,
+    ) -> Result<Array> {
         let t = rows.first().map(|r| r.tokens.len()).unwrap_or(0);
         if t == 0 || rows.iter().any(|r| r.tokens.len() != t) {
             return Err(Error::Invalid("every row of a step needs the same, non-zero number of tokens".into()));
@@ -221,7 +263,7 @@ impl Model {
         let ids: Vec<i32> = rows.iter().flat_map(|r| r.tokens.iter().map(|&x| x as i32)).collect();
         let ids = Array::from_slice(&ids, &[b, t as i32]);
         let pick = (t > 1).then(|| rows.iter().map(|r| r.logits_at as i32).collect::<Vec<_>>());
-        self.step(kv, seqs, ids, pick, mode)
+        self.step(kv, seqs, ids, pick, mode, taps)
     }
 
     /// One decode step (one token per sequence) whose tokens are a device array `[B]`, typically
@@ -232,7 +274,7 @@ impl Model {
         if ids.shape() != [seqs.len() as i32] {
             return Err(Error::Invalid(format!("{} sequences but token ids of shape {:?}", seqs.len(), ids.shape())));
         }
-        self.step(kv, seqs.to_vec(), ids.reshape(&[seqs.len() as i32, 1])?, None, mode)
+        self.step(kv, seqs.to_vec(), ids.reshape(&[seqs.len() as i32, 1])?, None, mode, None)
     }
 
     /// The forward pass over `ids` (`[B, T]`) appended to `seqs`; logits at `pick[b]` of each
@@ -244,6 +286,7 @@ impl Model {
         ids: Array,
         pick: Option<Vec<i32>>,
         mode: AttentionMode,
+        taps: Option<&Taps>,
     ) -> Result<Array> {
         if let Some(dup) = seqs.iter().enumerate().find_map(|(i, s)| seqs[..i].contains(s).then_some(s)) {
             // Two rows of one sequence would reserve and write the same rows twice.
@@ -273,18 +316,29 @@ impl Model {
         if let Some(scale) = &self.embed_scale {
             x = x.multiply(scale)?;
         }
-        let step = StepContext::new(mode, seqs, starts, masked, t, &self.ropes, self.faults.get());
+        tap(taps, None, "embed", &x);
+        let step = StepContext::new(mode, seqs, starts, masked, t, &self.ropes, self.faults.get()).traced(taps);
         for (layer, block) in self.blocks.iter().enumerate() {
-            let mut h = block.attn.forward(&block.input_norm.forward(&x)?, layer, kv, &step)?;
+            let l = Some(layer);
+            let normed = block.input_norm.forward(&x)?;
+            tap(taps, l, "input_norm", &normed);
+            let mut h = block.attn.forward(&normed, layer, kv, &step)?;
             if let Some(n) = &block.attn_out_norm {
                 h = n.forward(&h)?;
+                tap(taps, l, "attn_out_norm", &h);
             }
             x = x.add(&h)?;
-            let mut h = block.mlp.forward(&block.mlp_norm.forward(&x)?)?;
+            tap(taps, l, "attn_residual", &x);
+            let normed = block.mlp_norm.forward(&x)?;
+            tap(taps, l, "mlp_norm", &normed);
+            let mut h = block.mlp.forward(&normed)?;
+            tap(taps, l, "mlp", &h);
             if let Some(n) = &block.mlp_out_norm {
                 h = n.forward(&h)?;
+                tap(taps, l, "mlp_out_norm", &h);
             }
             x = x.add(&h)?;
+            tap(taps, l, "mlp_residual", &x);
         }
         // Only the selected position of each row goes through the final norm and the head.
         let x = match pick {
@@ -292,10 +346,12 @@ impl Model {
             Some(pick) => x.take_along_axis(Array::from_slice(&pick, &[b, 1, 1]), 1)?.squeeze_axes(&[1])?,
         };
         let x = self.norm.forward(&x)?;
+        tap(taps, None, "final_norm", &x);
         let logits = match &self.lm_head {
             Some(head) => head.forward(&x)?,
             None => self.embed.as_linear(&x)?,
         };
+        tap(taps, None, "logits", &logits);
         Ok(logits)
     }
 

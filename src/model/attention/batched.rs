@@ -70,6 +70,8 @@ pub fn attend(
     } else {
         (rope.apply_batch(&q, &step.offsets)?, rope.apply_batch(&k, &step.offsets)?)
     };
+    crate::model::tap(ctx.taps, Some(layer), "rope_q", &q);
+    crate::model::tap(ctx.taps, Some(layer), "rope_k", &k);
     // The write comes before the read: the store's old version is then free to be updated in
     // place (MLX donates a buffer only when nothing else holds it).
     kv.write_batch(layer, &ctx.seqs, &ctx.starts, &k, &v)?;

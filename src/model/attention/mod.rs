@@ -17,6 +17,7 @@ use mlx_rs::Array;
 
 use super::layers::{Linear, LoadOptions, NormGain, RmsNorm, Stacked};
 use super::rope::{Rope, Ropes};
+use super::{Taps, tap};
 use crate::checkpoint::{ModelConfig, WeightStore};
 use crate::error::Result;
 use crate::faults::Faults;
@@ -79,6 +80,7 @@ pub struct StepContext<'a> {
     pub offsets: Vec<i32>,
     pub ropes: &'a Ropes,
     pub faults: Faults,
+    pub taps: Option<&'a Taps>,
     /// Batched mode's per-step state, built once for all layers.
     batch: Option<batched::Step>,
 }
@@ -95,7 +97,12 @@ impl<'a> StepContext<'a> {
     ) -> Self {
         let offsets: Vec<i32> = starts.iter().zip(&masked).map(|(&s, &m)| s as i32 - m as i32).collect();
         let batch = (mode == AttentionMode::Batched).then(|| batched::Step::new(&offsets, tokens, faults));
-        StepContext { mode, seqs, starts, masked, offsets, ropes, faults, batch }
+        StepContext { mode, seqs, starts, masked, offsets, ropes, faults, taps: None, batch }
+    }
+
+    /// The same step with its intermediates recorded in `taps`.
+    pub fn traced(self, taps: Option<&'a Taps>) -> Self {
+        StepContext { taps, ..self }
     }
 }
 
@@ -148,10 +155,16 @@ impl Attention {
     /// `x`: `[B, T, hidden]` (normed) -> `[B, T, hidden]`.
     pub fn forward(&self, x: &Array, layer: usize, kv: &mut dyn KvCache, ctx: &StepContext) -> Result<Array> {
         let (b, t) = (x.shape()[0], x.shape()[1]);
-        let split = |y: Array, heads: i32, norm: &Option<RmsNorm>| -> Result<Array> {
+        let l = Some(layer);
+        let split = |y: Array, heads: i32, norm: &Option<RmsNorm>, name: &str| -> Result<Array> {
+            tap(ctx.taps, l, &format!("{name}_proj"), &y);
             let y = y.reshape(&[b, t, heads, self.head_dim])?;
             let y = match norm {
-                Some(n) => n.forward(&y)?,
+                Some(n) => {
+                    let y = n.forward(&y)?;
+                    tap(ctx.taps, l, &format!("{name}_norm"), &y);
+                    y
+                }
                 None => y,
             };
             Ok(y.transpose_axes(&[0, 2, 1, 3])?) // [B, heads, T, D]
@@ -161,9 +174,9 @@ impl Attention {
             .forward(x)?
             .try_into()
             .map_err(|_| crate::error::Error::Invalid("q/k/v projection did not split in three".into()))?;
-        let q = split(q, self.heads, &self.q_norm)?;
-        let k = split(k, self.kv_heads, &self.k_norm)?;
-        let v = split(v, self.kv_heads, &None)?;
+        let q = split(q, self.heads, &self.q_norm, "q")?;
+        let k = split(k, self.kv_heads, &self.k_norm, "k")?;
+        let v = split(v, self.kv_heads, &None, "v")?;
         let view = LayerView {
             layer,
             rope: ctx.ropes.for_layer(self.window.is_some()),
@@ -174,7 +187,10 @@ impl Attention {
             Some(step) => batched::attend(step, q, k, v, &view, kv, ctx)?,
             None => rowwise::attend(q, k, v, &view, kv, ctx)?,
         }; // [B, H, T, D]
+        tap(ctx.taps, l, "attention", &out);
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, t, self.heads * self.head_dim])?;
-        self.o_proj.forward(&out)
+        let out = self.o_proj.forward(&out)?;
+        tap(ctx.taps, l, "o_proj", &out);
+        Ok(out)
     }
 }
