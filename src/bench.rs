@@ -9,8 +9,8 @@ use serde::Serialize;
 use crate::engine::builtin::Builtin;
 use crate::error::Result;
 use crate::faults::Faults;
-use crate::kv::{Backend, KvCache, KvStats};
-use crate::model::{AttentionMode, Model, RowStep};
+use crate::kv::{Backend, KvCache, KvStats, SeqId};
+use crate::model::{AttentionMode, Model, RowStep, Taps};
 use crate::vocab::{BuiltinPath, Settings};
 
 /// Prompt ids shared with `ci/bench_mlx_lm.py`, so both runtimes do the same computation.
@@ -75,11 +75,14 @@ pub struct BenchOptions {
 /// Prefill tok/s, decode tok/s, TTFT ms, KV stats after decode, every row's tokens.
 type Sample = (f64, f64, f64, KvStats, Vec<Vec<u32>>);
 
-/// One repetition: prefill every row in one forward (left-padded to the longest, the pads
-/// masked, as mlx-lm's batch_generate does), then `decode` batched greedy steps, pipelined as
-/// mlx-lm's generators are: step n + 1 is built on step n's argmax, still on the device, and
-/// queued before step n's tokens are read, so the host builds a graph while the last one runs.
-fn once(model: &Model, kv: &mut dyn KvCache, lengths: &[usize], decode: usize, mode: AttentionMode) -> Result<Sample> {
+/// Prefill every row in one forward (left-padded to the longest, the pads masked, as mlx-lm's
+/// batch_generate does): the sequences and the first greedy tokens, still on the device.
+fn prefill(
+    model: &Model,
+    kv: &mut dyn KvCache,
+    lengths: &[usize],
+    mode: AttentionMode,
+) -> Result<(Vec<SeqId>, mlx_rs::Array)> {
     let vocab = model.config.vocab_size;
     let longest = lengths.iter().copied().max().unwrap_or(0);
     let mut seqs = Vec::with_capacity(lengths.len());
@@ -92,8 +95,16 @@ fn once(model: &Model, kv: &mut dyn KvCache, lengths: &[usize], decode: usize, m
         prompts.push(tokens);
     }
     let rows: Vec<RowStep> = seqs.iter().zip(prompts).map(|(&s, tokens)| RowStep::new(s, tokens)).collect();
+    let next = argmax(&model.forward_mode(kv, &rows, mode)?)?;
+    Ok((seqs, next))
+}
+
+/// One repetition: the prefill, then `decode` batched greedy steps, pipelined as mlx-lm's
+/// generators are: step n + 1 is built on step n's argmax, still on the device, and queued
+/// before step n's tokens are read, so the host builds a graph while the last one runs.
+fn once(model: &Model, kv: &mut dyn KvCache, lengths: &[usize], decode: usize, mode: AttentionMode) -> Result<Sample> {
     let t = Instant::now();
-    let mut next = argmax(&model.forward_mode(kv, &rows, mode)?)?;
+    let (seqs, mut next) = prefill(model, kv, lengths, mode)?;
     let mut tokens: Vec<Vec<u32>> = host(&next)?.into_iter().map(|x| vec![x]).collect();
     let prefill_secs = t.elapsed().as_secs_f64();
     let t = Instant::now();
@@ -233,6 +244,188 @@ pub fn render(rows: &[BenchRow]) -> String {
                 );
             }
         }
+    }
+    s
+}
+
+/// Memory read bandwidth in bytes a second: `threads` threads each summing its share of one
+/// buffer of `bytes`, best of `reps`. A B=1 decode step reads every weight once, so this over
+/// the weights' bytes is the step rate no engine on this machine can pass.
+pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
+    let words: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
+    let threads = threads.max(1);
+    let share = words.len().div_ceil(threads);
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        let sum = std::thread::scope(|scope| {
+            let parts: Vec<_> = words
+                .chunks(share)
+                .map(|part| scope.spawn(move || part.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
+                .collect();
+            parts.into_iter().map(|p| p.join().unwrap_or(0)).fold(0u64, u64::wrapping_add)
+        });
+        std::hint::black_box(sum);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (words.len() * 8) as f64 / best
+}
+
+/// Read bandwidth of MLX's own reduction over a `bytes` float32 array on the default device,
+/// best of `reps`: on a GPU the rate its kernels reach in device memory (host threads would
+/// measure the wrong memory); on the CPU MLX reduces on one thread, so [`read_bandwidth`] is the
+/// machine's figure there.
+pub fn device_read_bandwidth(bytes: usize, reps: usize) -> Result<f64> {
+    let n = (bytes / 4) as i32;
+    let a = mlx_rs::ops::ones::<f32>(&[n])?;
+    a.eval()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) + 1 {
+        let t = Instant::now();
+        a.sum(None)?.eval()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(n as f64 * 4.0 / best)
+}
+
+/// The decode rate memory bandwidth allows a batch: each step reads every weight once and every
+/// row's live K/V once, whatever the batch.
+pub fn decode_limit(weight_bytes: u64, kv_bytes: u64, batch: usize, bandwidth: f64) -> f64 {
+    batch as f64 * bandwidth / (weight_bytes + kv_bytes) as f64
+}
+
+/// Where a decode step's time goes.
+#[derive(Debug, Clone, Serialize)]
+pub struct Profile {
+    pub path: String,
+    pub batch: usize,
+    pub steps: usize,
+    /// A step as bench decodes (pipelined: the next step is queued before this one's tokens
+    /// reach the host).
+    pub pipelined_ms: f64,
+    /// A step built, then waited for, before the next is built.
+    pub synchronous_ms: f64,
+    /// The host's share of a synchronous step: building the graph, before MLX runs any of it.
+    pub build_ms: f64,
+    /// A step evaluated tap by tap (every operation waited for): the sum of `ops`.
+    pub timed_ms: f64,
+    pub ops: Vec<OpCost>,
+}
+
+/// One operation's share of a timed step, summed over the layers.
+#[derive(Debug, Clone, Serialize)]
+pub struct OpCost {
+    pub op: String,
+    pub ms: f64,
+    /// Timed spans a step ending at this tap (one per layer, or one).
+    pub calls: usize,
+    /// Weight bytes its matmul reads a step, where it ends in one.
+    pub weight_bytes: Option<u64>,
+}
+
+/// Profile `steps` decode steps of `path` at `batch` after a ragged prefill of `prompt_len` and
+/// a few untimed steps: pipelined, synchronous (with the graph building apart) and tap by tap.
+pub fn profile(
+    model: &Model,
+    path: BuiltinPath,
+    batch: usize,
+    prompt_len: usize,
+    steps: usize,
+    block_size: usize,
+) -> Result<Profile> {
+    let settings = Settings { block_size, poison: false, ..Settings::default() };
+    let builtin = Builtin::new(model, path, &settings);
+    let mut kv = builtin.kv(Faults::NONE)?;
+    let mode = path.attention;
+    let lengths = ragged_lengths(prompt_len, batch);
+    let (seqs, mut next) = prefill(model, kv.as_mut(), &lengths, mode)?;
+    let steps = steps.max(1);
+    for _ in 0..4 {
+        next = argmax(&model.decode_next(kv.as_mut(), &seqs, &next, mode)?)?;
+    }
+    next.eval()?;
+    let t = Instant::now();
+    for _ in 0..steps {
+        let following = argmax(&model.decode_next(kv.as_mut(), &seqs, &next, mode)?)?;
+        mlx_rs::transforms::async_eval([&following])?;
+        next = following;
+    }
+    next.eval()?;
+    let pipelined = t.elapsed().as_secs_f64() / steps as f64;
+    let (mut build, mut synchronous) = (0.0, 0.0);
+    for _ in 0..steps {
+        let t = Instant::now();
+        let following = argmax(&model.decode_next(kv.as_mut(), &seqs, &next, mode)?)?;
+        build += t.elapsed().as_secs_f64();
+        following.eval()?;
+        synchronous += t.elapsed().as_secs_f64();
+        next = following;
+    }
+    let mut ops: Vec<OpCost> = Vec::new();
+    let mut timed = 0.0;
+    let bytes = model.matmul_bytes();
+    for _ in 0..steps {
+        let rows: Vec<RowStep> = seqs.iter().zip(host(&next)?).map(|(&s, id)| RowStep::new(s, vec![id])).collect();
+        let taps = Taps::timed();
+        let logits = model.forward_traced(kv.as_mut(), &rows, mode, Some(&taps))?;
+        next = argmax(&logits)?;
+        taps.tap(None, "argmax", &next);
+        for span in taps.into_spans()? {
+            timed += span.seconds;
+            match ops.iter_mut().find(|o| o.op == span.op) {
+                Some(o) => {
+                    o.ms += span.seconds;
+                    o.calls += 1;
+                }
+                None => ops.push(OpCost {
+                    weight_bytes: bytes.iter().find(|b| b.0 == span.op).map(|b| b.1),
+                    op: span.op,
+                    ms: span.seconds,
+                    calls: 1,
+                }),
+            }
+        }
+    }
+    let per_step = |secs: f64| secs * 1e3 / steps as f64;
+    for o in &mut ops {
+        o.ms = per_step(o.ms);
+        o.calls /= steps;
+    }
+    Ok(Profile {
+        path: path.name(),
+        batch,
+        steps,
+        pipelined_ms: pipelined * 1e3,
+        synchronous_ms: per_step(synchronous),
+        build_ms: per_step(build),
+        timed_ms: per_step(timed),
+        ops,
+    })
+}
+
+pub fn render_profile(p: &Profile) -> String {
+    let mut s = format!(
+        "profile: {}, batch {}, {} steps: a decode step pipelined {:.2} ms, synchronous {:.2} ms (building the graph {:.2} ms of it), op by op {:.2} ms\n",
+        p.path, p.batch, p.steps, p.pipelined_ms, p.synchronous_ms, p.build_ms, p.timed_ms
+    );
+    s += &format!(
+        "  {:<14} {:>9} {:>7} {:>6} {:>11} {:>8}\n",
+        "op (ends at)", "ms/step", "share", "calls", "weights MB", "GB/s"
+    );
+    for o in &p.ops {
+        let (mb, gbs) = match o.weight_bytes {
+            Some(b) => (format!("{:.1}", b as f64 / 1e6), format!("{:.1}", b as f64 / (o.ms / 1e3) / 1e9)),
+            None => (String::new(), String::new()),
+        };
+        s += &format!(
+            "  {:<14} {:>9.3} {:>6.1}% {:>6} {:>11} {:>8}\n",
+            o.op,
+            o.ms,
+            100.0 * o.ms / p.timed_ms.max(f64::MIN_POSITIVE),
+            o.calls,
+            mb,
+            gbs
+        );
     }
     s
 }

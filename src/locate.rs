@@ -166,6 +166,10 @@ pub struct TapDiff {
     /// RMS of the difference over RMS of the reference side (0 when both are zero).
     pub rel_rms: f64,
     pub max_abs: f64,
+    /// Set where the two sides tapped arrays of different shapes (a cache read of another
+    /// width): the largest difference there is, and the shapes that say why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shapes: Option<String>,
 }
 
 /// Both sides compared, tap by tap, in computation order.
@@ -200,11 +204,11 @@ fn diff(step: usize, a: &Tap, b: &Tap) -> TapDiff {
     } else {
         f64::INFINITY
     };
-    TapDiff { step, name: a.name.clone(), rel_rms, max_abs }
+    TapDiff { step, name: a.name.clone(), rel_rms, max_abs, shapes: None }
 }
 
 /// Compare `on` with `against`, tap by tap. Both must have tapped the same operations in the
-/// same order with the same shapes (the same path on the same tokens).
+/// same order (the same path on the same tokens); a tap whose shapes differ is where they part.
 pub fn compare(on: &Recording, against: &Recording, threshold: f64) -> Result<Location> {
     if on.steps.len() != against.steps.len() {
         return Err(Error::Invalid(format!(
@@ -221,11 +225,19 @@ pub fn compare(on: &Recording, against: &Recording, threshold: f64) -> Result<Lo
             return Err(Error::Invalid(format!("locate: step {s}: {} taps against {}", a.len(), b.len())));
         }
         for (x, y) in a.iter().zip(b) {
-            if x.name != y.name || x.shape != y.shape {
-                return Err(Error::Invalid(format!(
-                    "locate: step {s}: tap {} {:?} against {} {:?}",
-                    x.name, x.shape, y.name, y.shape
-                )));
+            if x.name != y.name {
+                return Err(Error::Invalid(format!("locate: step {s}: tap {} against {}", x.name, y.name)));
+            }
+            if x.shape != y.shape {
+                let shapes = Some(format!("shape {:?} against {:?}", x.shape, y.shape));
+                diffs.push(TapDiff {
+                    step: s,
+                    name: x.name.clone(),
+                    rel_rms: f64::INFINITY,
+                    max_abs: f64::INFINITY,
+                    shapes,
+                });
+                continue;
             }
             diffs.push(diff(s, x, y));
         }
@@ -271,8 +283,9 @@ impl Location {
                 });
                 for d in shown {
                     let mark = if d.name == f.name { "  <- first" } else { "" };
+                    let shapes = d.shapes.as_ref().map(|s| format!(" ({s})")).unwrap_or_default();
                     out.push_str(&format!(
-                        "  {:<28} rel RMS {:.3e}  max |diff| {:.3e}{mark}\n",
+                        "  {:<28} rel RMS {:.3e}  max |diff| {:.3e}{shapes}{mark}\n",
                         d.name, d.rel_rms, d.max_abs
                     ));
                 }

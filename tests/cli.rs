@@ -571,3 +571,74 @@ fn a_checkpoint_run_checks_that_checkpoints_snapshots_and_no_other() {
     assert_eq!(code(&o), 0, "{}", text(&o));
     assert!(text(&o).contains("0 snapshot changes"), "{}", text(&o));
 }
+
+/// `bench --profile` charges every operation of a decode step to exactly one tap, in the order
+/// the forward computes them, and divides each matmul's time by the weights that matmul reads.
+/// Guards a tap lost or moved (an operation then vanishes from the table or lands on the wrong
+/// row) and weight bytes charged to the wrong operation (a bandwidth figure off by a factor).
+#[test]
+fn bench_profile_times_every_operation_of_a_step_once() {
+    let fixture = common::fixture("llama-tiny");
+    let dir = common::scratch("cli-bench-profile");
+    let json = dir.join("bench.json");
+    let o = command()
+        .args(["bench", fixture.to_str().unwrap(), "--prompt-len", "6", "--decode", "2", "--reps", "1"])
+        .args(["--batch", "1,2", "--profile", "3", "--limit", "--json", json.to_str().unwrap()])
+        .output()
+        .expect("run parity");
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    let out = text(&o);
+    assert!(out.contains("memory read bandwidth"), "{out}");
+    assert!(out.contains("of a") && out.contains("tok/s bandwidth limit"), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(v["bandwidth"]["bytes_per_second"].as_f64().unwrap() > 0.0, "{v}");
+    let profiles = v["profiles"].as_array().expect("profiles");
+    assert_eq!(profiles.len(), 4, "dense and paged at batch 1 and 2");
+    // llama-tiny: 2 layers, hidden 64, 4 heads and 2 KV heads of 16, MLP 128, vocab from config.
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json")).unwrap()).unwrap();
+    let vocab = config["vocab_size"].as_u64().unwrap();
+    let f32s = |n: u64| Some(4 * n);
+    let expected_bytes = [
+        ("q_proj", f32s(2 * (64 + 2 * 32) * 64)),
+        ("o_proj", f32s(2 * 64 * 64)),
+        ("mlp_gated", f32s(2 * 2 * 128 * 64)),
+        ("mlp", f32s(2 * 128 * 64)),
+        ("logits", f32s(vocab * 64)),
+    ];
+    let order = [
+        "embed",
+        "input_norm",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "rope_q",
+        "rope_k",
+        "kv_read",
+        "attention",
+        "o_proj",
+        "attn_residual",
+        "mlp_norm",
+        "mlp_gated",
+        "mlp",
+        "mlp_residual",
+        "final_norm",
+        "logits",
+        "argmax",
+    ];
+    for p in profiles {
+        let ops = p["ops"].as_array().unwrap();
+        let names: Vec<&str> = ops.iter().map(|o| o["op"].as_str().unwrap()).collect();
+        assert_eq!(names, order, "{p}");
+        let sum: f64 = ops.iter().map(|o| o["ms"].as_f64().unwrap()).sum();
+        let timed = p["timed_ms"].as_f64().unwrap();
+        assert!((sum - timed).abs() <= 1e-9 * timed.max(1.0), "ops sum to {sum}, the step to {timed}: {p}");
+        for o in ops {
+            let name = o["op"].as_str().unwrap();
+            let per_layer = !matches!(name, "embed" | "final_norm" | "logits" | "argmax");
+            assert_eq!(o["calls"].as_u64(), Some(if per_layer { 2 } else { 1 }), "{name}: {p}");
+            let bytes = expected_bytes.iter().find(|e| e.0 == name).and_then(|e| e.1);
+            assert_eq!(o["weight_bytes"].as_u64(), bytes, "{name}: {p}");
+        }
+    }
+}

@@ -185,10 +185,10 @@ fn locate_on_one_device_finds_every_tap_equal() {
     assert_eq!(rc, 0, "{out}");
     assert!(out.contains("every tap within rel RMS 1e-4"), "{out}");
     let diffs = v["diffs"].as_array().expect("diffs");
-    // 4 steps of 27 taps: embed; per layer (2) input_norm, q/k/v_proj, rope_q/k, attention,
-    // o_proj, attn_residual, mlp_norm, mlp, mlp_residual (llama: no q/k or sandwich norms);
-    // final_norm, logits.
-    assert_eq!(diffs.len(), 4 * 27, "{out}");
+    // 4 steps of 31 taps: embed; per layer (2) input_norm, q/k/v_proj, rope_q/k, kv_read,
+    // attention, o_proj, attn_residual, mlp_norm, mlp_gated, mlp, mlp_residual (llama: no q/k
+    // or sandwich norms); final_norm, logits.
+    assert_eq!(diffs.len(), 4 * 31, "{out}");
     assert!(diffs.iter().all(|d| d["rel_rms"] == 0.0), "{out}");
 }
 
@@ -206,8 +206,8 @@ fn locate_names_the_layer_and_operation_of_a_planted_rope_fault() {
 }
 
 /// A window bookkeeping fault (a sliding layer's block released one block too soon) shows at
-/// the first step whose window still needs that block, in a sliding layer's attention, with
-/// its q, k and RoPE exact: the pool, not the projections.
+/// the first step whose window still needs that block, in a sliding layer's cache read (fewer
+/// rows than the other side's), with its q, k and RoPE exact: the pool, not the projections.
 #[test]
 fn locate_names_the_attention_of_a_window_released_too_early() {
     let ids = "5,17,33,9,100,42,7,8,9,10,11,12,13,14";
@@ -215,8 +215,9 @@ fn locate_names_the_attention_of_a_window_released_too_early() {
     let (rc, out, v) =
         locate(&[&args[..], &["--block-size", "8", "--steps", "6", "--fault", "window-release-early"]].concat());
     assert_eq!(rc, 1, "{out}");
-    assert_eq!(v["first"]["name"].as_str(), Some("layer 0 attention"), "{out}");
+    assert_eq!(v["first"]["name"].as_str(), Some("layer 0 kv_read"), "{out}");
     assert_eq!(v["first"]["step"].as_u64(), Some(3), "{out}");
+    assert!(out.contains("shape [1, 1, 9, 32] against [1, 1, 17, 32]"), "the read's widths say why: {out}");
 }
 
 #[test]

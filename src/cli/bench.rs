@@ -47,6 +47,14 @@ pub struct Args {
     /// Write results as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Measure this machine's memory read bandwidth (1 GiB, one thread and every core, best of
+    /// five) and print each row's decode as a fraction of the rate it allows.
+    #[arg(long)]
+    limit: bool,
+    /// Also time one decode step operation by operation for every path and batch (STEPS
+    /// steps, each operation waited for), with the bandwidth each matmul reaches.
+    #[arg(long, value_name = "STEPS", num_args = 0..=1, default_missing_value = "16")]
+    profile: Option<usize>,
     /// JSON written by `ci/bench-mlx-lm` on the same checkpoint, prompt and decode length,
     /// dtype, dequantization and batch sizes: print parity vs mlx-lm.
     #[arg(long)]
@@ -109,6 +117,23 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     let rows = bench::bench(&model, &paths, &a.batch, opts)?;
     print!("{}", bench::render(&rows));
+    let weight_bytes: u64 = model.matmul_bytes().iter().map(|b| b.1).sum();
+    // Measured after the decode runs, not beside them: a bandwidth read while MLX's threads
+    // run would be shared with them.
+    let bandwidth = match a.limit {
+        false => None,
+        true => Some(limits(&rows, weight_bytes)?),
+    };
+    let mut profiles = Vec::new();
+    if let Some(steps) = a.profile {
+        for &b in &a.batch {
+            for &p in &paths {
+                let prof = bench::profile(&model, p, b, a.prompt_len, steps, a.block_size)?;
+                print!("{}", bench::render_profile(&prof));
+                profiles.push(prof);
+            }
+        }
+    }
 
     let tokens_differ = match &mlx_lm {
         Some(v) => compare_mlx_lm(v, &rows),
@@ -128,6 +153,8 @@ pub fn run(a: Args) -> Result<ExitCode> {
             "block_size": a.block_size,
             "load_seconds": load_secs,
             "rows": rows,
+            "bandwidth": bandwidth,
+            "profiles": profiles,
             "mlx_lm": mlx_lm,
         });
         std::fs::write(p, serde_json::to_string_pretty(&out)?).with_context(|| format!("writing {}", p.display()))?;
@@ -137,6 +164,47 @@ pub fn run(a: Args) -> Result<ExitCode> {
         return Ok(ExitCode::from(super::EXIT_FAIL));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The memory read bandwidth of the device this run decoded on, and each row's decode as a
+/// fraction of the rate it allows; the figures as JSON. Measured after the decode runs, never
+/// beside them: a bandwidth read while MLX's threads run would be shared with them.
+fn limits(rows: &[BenchRow], weight_bytes: u64) -> Result<serde_json::Value> {
+    let (bandwidth, how) = if crate::environment::device() == "gpu" {
+        let b = bench::device_read_bandwidth(1 << 30, 5)?;
+        println!(
+            "device read bandwidth (MLX's sum over 1 GiB, best of 5): {:.1} GB/s; weights read a decode step {:.1} MB",
+            b / 1e9,
+            weight_bytes as f64 / 1e6
+        );
+        (b, serde_json::json!({ "device": b }))
+    } else {
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let one = bench::read_bandwidth(1 << 30, 1, 5);
+        let all = bench::read_bandwidth(1 << 30, cores, 5);
+        println!(
+            "memory read bandwidth (1 GiB, best of 5): {:.1} GB/s on one thread, {:.1} GB/s on {cores}; weights read a decode step {:.1} MB",
+            one / 1e9,
+            all / 1e9,
+            weight_bytes as f64 / 1e6
+        );
+        (all.max(one), serde_json::json!({ "one_thread": one, "all_threads": all, "threads": cores }))
+    };
+    for r in rows {
+        let limit = bench::decode_limit(weight_bytes, r.kv.bytes_live, r.batch, bandwidth);
+        println!(
+            "  {} B={}: decode {:.1} tok/s of a {:.1} tok/s bandwidth limit ({:.0}%)",
+            r.path,
+            r.batch,
+            r.decode_tps.median,
+            limit,
+            100.0 * r.decode_tps.median / limit
+        );
+    }
+    let mut v = how;
+    v["bytes_per_second"] = serde_json::json!(bandwidth);
+    v["weight_bytes"] = serde_json::json!(weight_bytes);
+    Ok(v)
 }
 
 /// A baseline is comparable only if it measured the same computation: prompt and decode

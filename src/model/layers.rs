@@ -88,6 +88,17 @@ impl Linear {
         }
     }
 
+    /// Bytes a forward reads from the weights (packed, scales and biases included).
+    pub fn nbytes(&self) -> u64 {
+        let arrays: Vec<&Array> = match self {
+            Linear::Dense { weight, bias } => std::iter::once(weight).chain(bias).collect(),
+            Linear::Quantized { weight, scales, biases, bias, .. } => {
+                [weight, scales, biases].into_iter().chain(bias).collect()
+            }
+        };
+        arrays.iter().map(|a| a.nbytes() as u64).sum()
+    }
+
     /// Output features (rows of the weight, packed or not).
     fn outputs(&self) -> i32 {
         match self {
@@ -149,6 +160,13 @@ impl Stacked {
             _ => return Ok(Stacked::Many(parts)),
         };
         Ok(Stacked::One { linear, split_at })
+    }
+
+    pub fn nbytes(&self) -> u64 {
+        match self {
+            Stacked::One { linear, .. } => linear.nbytes(),
+            Stacked::Many(parts) => parts.iter().map(Linear::nbytes).sum(),
+        }
     }
 
     /// Each projection of `x`, in the order given to [`Stacked::new`].
@@ -253,6 +271,14 @@ impl Embedding {
         }
     }
 
+    pub fn nbytes(&self) -> u64 {
+        let arrays = match self {
+            Embedding::Dense { weight } => vec![weight],
+            Embedding::Quantized { weight, scales, biases, .. } => vec![weight, scales, biases],
+        };
+        arrays.iter().map(|a| a.nbytes() as u64).sum()
+    }
+
     /// The tied output projection: `x @ E^T`.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
@@ -335,7 +361,13 @@ impl Mlp {
         })
     }
 
-    pub fn forward(&self, x: &Array) -> Result<Array> {
+    /// Weight bytes of the gate/up and the down projections.
+    pub fn nbytes(&self) -> (u64, u64) {
+        (self.gate_up.nbytes(), self.down.nbytes())
+    }
+
+    /// `x` -> the MLP's output; `tap` sees the gated product before the down projection.
+    pub fn forward(&self, x: &Array, tap: impl Fn(&str, &Array)) -> Result<Array> {
         let [g, u]: [Array; 2] = self
             .gate_up
             .forward(x)?
@@ -346,6 +378,7 @@ impl Mlp {
             Activation::GeluTanh => mlx_rs::nn::gelu_approximate(&g)?,
         };
         let h = g.multiply(&u)?;
+        tap("mlp_gated", &h);
         self.down.forward(&h)
     }
 }

@@ -73,14 +73,51 @@ pub struct Model {
 /// locate` compares between two devices to name the first layer and operation where they part.
 /// A pass without taps records nothing and costs nothing; with them, each tapped array is kept
 /// alive until the caller evaluates it (both sides of a comparison tap alike).
+///
+/// Timed taps ([`Taps::timed`], `parity bench --profile`) keep no arrays: each tap evaluates
+/// its array at once and records the wall time since the previous tap returned, so every
+/// operation between two taps is charged to the later one. A pass run this way is synchronous
+/// (no step overlaps the next), which is what a per-operation cost needs.
 #[derive(Default)]
 pub struct Taps {
     taps: std::cell::RefCell<Vec<(String, Array)>>,
+    timer: Option<std::cell::RefCell<Timer>>,
+}
+
+struct Timer {
+    last: std::time::Instant,
+    spans: Vec<Span>,
+    error: Option<mlx_rs::error::Exception>,
+}
+
+/// One timed tap: the operations since the previous tap, ending at `op` of `layer`.
+#[derive(Debug, Clone)]
+pub struct Span {
+    pub layer: Option<usize>,
+    pub op: String,
+    pub seconds: f64,
 }
 
 impl Taps {
+    /// Taps that time the pass instead of recording it; the clock starts now.
+    pub fn timed() -> Self {
+        let timer = Timer { last: std::time::Instant::now(), spans: Vec::new(), error: None };
+        Taps { taps: Default::default(), timer: Some(std::cell::RefCell::new(timer)) }
+    }
+
     /// Record `a` as operation `op` of `layer` (`None`: outside the layers).
     pub fn tap(&self, layer: Option<usize>, op: &str, a: &Array) {
+        if let Some(timer) = &self.timer {
+            let mut t = timer.borrow_mut();
+            if let Err(e) = a.eval() {
+                t.error.get_or_insert(e);
+            }
+            let now = std::time::Instant::now();
+            let seconds = (now - t.last).as_secs_f64();
+            t.last = now;
+            t.spans.push(Span { layer, op: op.to_string(), seconds });
+            return;
+        }
         let name = match layer {
             Some(l) => format!("layer {l} {op}"),
             None => op.to_string(),
@@ -90,6 +127,16 @@ impl Taps {
 
     pub fn into_inner(self) -> Vec<(String, Array)> {
         self.taps.into_inner()
+    }
+
+    /// A timed pass's spans, or the first evaluation error it met.
+    pub fn into_spans(self) -> Result<Vec<Span>> {
+        let Some(timer) = self.timer else { return Ok(Vec::new()) };
+        let t = timer.into_inner();
+        match t.error {
+            Some(e) => Err(e.into()),
+            None => Ok(t.spans),
+        }
     }
 }
 
@@ -219,6 +266,23 @@ impl Model {
         self.faults.set(faults);
     }
 
+    /// Bytes of weights read by the matmul that ends each timed tap, over all layers: `q_proj`
+    /// (q, k and v, one stacked matmul), `o_proj`, `mlp_gated` (gate and up), `mlp` (down) and
+    /// `logits` (the head, or the tied embedding).
+    pub fn matmul_bytes(&self) -> Vec<(&'static str, u64)> {
+        let (mut qkv, mut o, mut gate_up, mut down) = (0, 0, 0, 0);
+        for b in &self.blocks {
+            let (a, c) = b.attn.nbytes();
+            let (g, d) = b.mlp.nbytes();
+            (qkv, o, gate_up, down) = (qkv + a, o + c, gate_up + g, down + d);
+        }
+        let head = match &self.lm_head {
+            Some(h) => h.nbytes(),
+            None => self.embed.nbytes(),
+        };
+        vec![("q_proj", qkv), ("o_proj", o), ("mlp_gated", gate_up), ("mlp", down), ("logits", head)]
+    }
+
     pub fn tied_embeddings(&self) -> bool {
         self.lm_head.is_none()
     }
@@ -331,7 +395,7 @@ impl Model {
             tap(taps, l, "attn_residual", &x);
             let normed = block.mlp_norm.forward(&x)?;
             tap(taps, l, "mlp_norm", &normed);
-            let mut h = block.mlp.forward(&normed)?;
+            let mut h = block.mlp.forward(&normed, |op, a| tap(taps, l, op, a))?;
             tap(taps, l, "mlp", &h);
             if let Some(n) = &block.mlp_out_norm {
                 h = n.forward(&h)?;

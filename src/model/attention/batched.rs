@@ -76,6 +76,7 @@ pub fn attend(
     // place (MLX donates a buffer only when nothing else holds it).
     kv.write_batch(layer, &ctx.seqs, &ctx.starts, &k, &v)?;
     let read = kv.read_batch(layer, &ctx.seqs)?;
+    crate::model::tap(ctx.taps, Some(layer), "kv_read", &read.keys);
     let memo = if view.window.is_some() { &step.local_mask } else { &step.mask };
     let mask = memo.get_or_try((read.visible, read.first), |(visible, first)| {
         Ok(mask(visible, first, &ctx.masked, step.tokens, view.window, ctx.faults))

@@ -152,6 +152,11 @@ impl Attention {
         })
     }
 
+    /// Weight bytes of the stacked q/k/v and the output projections.
+    pub fn nbytes(&self) -> (u64, u64) {
+        (self.qkv.nbytes(), self.o_proj.nbytes())
+    }
+
     /// `x`: `[B, T, hidden]` (normed) -> `[B, T, hidden]`.
     pub fn forward(&self, x: &Array, layer: usize, kv: &mut dyn KvCache, ctx: &StepContext) -> Result<Array> {
         let (b, t) = (x.shape()[0], x.shape()[1]);
