@@ -572,8 +572,8 @@ fn a_checkpoint_run_checks_that_checkpoints_snapshots_and_no_other() {
     assert!(text(&o).contains("0 snapshot changes"), "{}", text(&o));
 }
 
-/// `bench --profile` charges every operation of a decode step to exactly one tap, in the order
-/// the forward computes them, and divides each matmul's time by the weights that matmul reads.
+/// `bench --profile` charges every operation of a decode step (and of a prefill) to exactly one
+/// tap, in the order the forward computes them, and divides each matmul's time by the weights that matmul reads.
 /// Guards a tap lost or moved (an operation then vanishes from the table or lands on the wrong
 /// row) and weight bytes charged to the wrong operation (a bandwidth figure off by a factor).
 #[test]
@@ -626,13 +626,15 @@ fn bench_profile_times_every_operation_of_a_step_once() {
         "logits",
         "argmax",
     ];
-    for p in profiles {
-        let ops = p["ops"].as_array().unwrap();
+    for (p, table, total) in
+        profiles.iter().flat_map(|p| [(p, "ops", "timed_ms"), (p, "prefill_ops", "prefill_timed_ms")])
+    {
+        let ops = p[table].as_array().unwrap();
         let names: Vec<&str> = ops.iter().map(|o| o["op"].as_str().unwrap()).collect();
-        assert_eq!(names, order, "{p}");
+        assert_eq!(names, order, "{table}: {p}");
         let sum: f64 = ops.iter().map(|o| o["ms"].as_f64().unwrap()).sum();
-        let timed = p["timed_ms"].as_f64().unwrap();
-        assert!((sum - timed).abs() <= 1e-9 * timed.max(1.0), "ops sum to {sum}, the step to {timed}: {p}");
+        let timed = p[total].as_f64().unwrap();
+        assert!((sum - timed).abs() <= 1e-9 * timed.max(1.0), "{table} sum to {sum}, the pass to {timed}: {p}");
         for o in ops {
             let name = o["op"].as_str().unwrap();
             let per_layer = !matches!(name, "embed" | "final_norm" | "logits" | "argmax");

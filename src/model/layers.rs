@@ -48,8 +48,17 @@ fn transposed(w: &WeightStore, a: &Array) -> Result<Array> {
 
 pub enum Linear {
     /// `weight_t`: `[in, out]` (see [`transposed`]).
-    Dense { weight_t: Array, bias: Option<Array> },
-    Quantized { weight: Array, scales: Array, biases: Array, bias: Option<Array>, spec: QuantSpec },
+    Dense {
+        weight_t: Array,
+        bias: Option<Array>,
+    },
+    Quantized {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        bias: Option<Array>,
+        spec: QuantSpec,
+    },
 }
 
 impl Linear {
@@ -246,8 +255,15 @@ fn load_packed(
 pub enum Embedding {
     /// `weight_t`: `[hidden, vocab]` (see [`transposed`]): the tied output projection reads it
     /// whole every step; a lookup takes a few of its columns.
-    Dense { weight_t: Array },
-    Quantized { weight: Array, scales: Array, biases: Array, spec: QuantSpec },
+    Dense {
+        weight_t: Array,
+    },
+    Quantized {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        spec: QuantSpec,
+    },
 }
 
 impl Embedding {
