@@ -56,6 +56,11 @@ pub enum DtypeSetting {
 }
 
 impl DtypeSetting {
+    /// The spelling `FromStr` reads back: what a child process is handed.
+    pub fn name(self) -> &'static str {
+        self.resolve().map_or("native", DtypeName::name)
+    }
+
     pub fn resolve(self) -> Option<DtypeName> {
         match self {
             DtypeSetting::Float32 => Some(DtypeName::Float32),
@@ -75,6 +80,20 @@ impl std::str::FromStr for DtypeSetting {
             "bfloat16" | "bf16" => Ok(DtypeSetting::Bfloat16),
             "native" => Ok(DtypeSetting::Native),
             other => Err(format!("unknown dtype `{other}`; expected float32, float16, bfloat16 or native")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `locate` hands its children `--dtype NAME`: a name that did not parse back to the same
+    /// setting would run one side in another dtype than asked.
+    #[test]
+    fn every_setting_name_parses_back_to_itself() {
+        for s in [DtypeSetting::Float32, DtypeSetting::Float16, DtypeSetting::Bfloat16, DtypeSetting::Native] {
+            assert_eq!(s.name().parse::<DtypeSetting>(), Ok(s));
         }
     }
 }

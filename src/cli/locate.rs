@@ -150,13 +150,7 @@ fn side(
         "--steps".into(),
         a.steps.to_string(),
         "--dtype".into(),
-        match a.dtype {
-            DtypeSetting::Float32 => "float32",
-            DtypeSetting::Float16 => "float16",
-            DtypeSetting::Bfloat16 => "bfloat16",
-            DtypeSetting::Native => "native",
-        }
-        .into(),
+        a.dtype.name().into(),
         "--block-size".into(),
         a.block_size.to_string(),
         "--dump".into(),
