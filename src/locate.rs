@@ -349,11 +349,17 @@ mod tests {
         assert!(first.rel_rms.is_nan());
     }
 
+    /// A tap whose shapes differ (a cache read of another width) is where the sides part, with
+    /// both shapes said; different operations in one place mean different paths: an error.
     #[test]
-    fn sides_of_different_shapes_are_an_error() {
-        let a = rec("cpu", vec![vec![tap("embed", &[1.0])]]);
-        let b = rec("gpu", vec![vec![tap("embed", &[1.0, 2.0])]]);
-        assert!(compare(&a, &b, 1e-4).is_err());
+    fn a_tap_of_other_shapes_is_where_the_sides_part_and_other_taps_an_error() {
+        let a = rec("cpu", vec![vec![tap("embed", &[1.0]), tap("logits", &[1.0])]]);
+        let b = rec("gpu", vec![vec![tap("embed", &[1.0, 2.0]), tap("logits", &[1.0])]]);
+        let first = compare(&a, &b, 1e-4).unwrap().first.unwrap();
+        assert_eq!((first.name.as_str(), first.rel_rms), ("embed", f64::INFINITY));
+        assert_eq!(first.shapes.as_deref(), Some("shape [1] against [2]"));
+        let c = rec("gpu", vec![vec![tap("input_norm", &[1.0]), tap("logits", &[1.0])]]);
+        assert!(compare(&a, &c, 1e-4).is_err());
     }
 
     #[test]
