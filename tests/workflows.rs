@@ -258,8 +258,11 @@ fn the_readme_usage_block_runs_as_written() {
                 continue;
             }
             if args[0] == "bench" {
-                let short = ["--reps", "1", "--decode", "4", "--prompt-len", "16", "--dequantize"];
+                let short = ["--reps", "1", "--decode", "4", "--prompt-len", "16"];
                 args.extend(short.map(String::from));
+                if !args.iter().any(|a| a == "--dequantize") {
+                    args.push("--dequantize".into());
+                }
             }
             let t = Instant::now();
             let o = command().current_dir(&here).args(&args).stdin(Stdio::null()).output().expect("run parity");
