@@ -1,14 +1,19 @@
 """A toy engine on the adapter kit (parity_adapter.py): the smallest complete adapter, and the
 one the kit's end-to-end test runs under parity (suites/kit.toml, tests/adapter_kit.rs).
 
-    python3 adapters/toy_adapter.py --path alone|batched
+    python3 adapters/toy_adapter.py --path alone|batched|racy
 
 Its "model" is a pure function of a sequence's tokens so far (a seeded hash of the history:
 the same logits for the same history, however it was fed), and its "KV cache" is that
 history, 8 bytes a row. `alone` runs a forward's rows one model call each; `batched` runs
 them in one. Both honour trims, releases and prefix copies and keep the protocol's counters,
-so every claim parity makes of a case can be shown, or (alone's batching) is not. Standard
-library only.
+so every claim parity makes of a case can be shown, or (alone's batching) is not.
+
+`racy` is `batched` with a nondeterminism planted: each call scales its logits by a factor a
+millionth away from 1 for every call the process made before it, as a kernel whose rounding
+depends on what earlier calls left in a shared workspace. The greedy tokens never change and
+the logits stay within any tolerance of the reference; only running one schedule twice
+(parity's `repeat`) shows it. Standard library only.
 """
 
 import argparse
@@ -28,6 +33,8 @@ class Toy(Engine):
     def __init__(self, path):
         self.path = path
         self.vocab = None
+        # Calls since the process started: kept across sessions (reset), which is the bug.
+        self.calls_ever = 0
         self.reset()
 
     def load(self, model, path, settings):
@@ -74,7 +81,11 @@ class Toy(Engine):
         return seq
 
     def forward(self, rows):
-        if self.path == "batched":
+        if self.path == "racy":
+            scale = 1.0 + 1e-6 * self.calls_ever
+            self.calls_ever += 1
+            logits = [[x * scale for x in row] for row in self.call(rows)]
+        elif self.path == "batched":
             logits = self.call(rows)
         else:
             logits = [l for row in rows for l in self.call([row])]
@@ -116,7 +127,7 @@ class Toy(Engine):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--path", choices=("alone", "batched"), required=True)
+    p.add_argument("--path", choices=("alone", "batched", "racy"), required=True)
     serve(Toy(p.parse_args().path))
 
 

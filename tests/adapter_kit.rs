@@ -85,3 +85,72 @@ fn a_rust_engine_on_the_kit_passes_the_kit_suite() {
     let engine = report.checkpoints[0].engine.as_ref().expect("engine recorded");
     assert_eq!(engine.name, "toy-rs");
 }
+
+/// Guards "a nondeterministic engine passes every row": the toy's `racy` path scales its logits
+/// by how many calls its process made before (tokens never change, the logits move by 1e-5,
+/// within the suite's tolerance). Each `concurrent` row, compared with the reference, passes;
+/// `repeat`, the same schedule run twice, fails every request of the racy path as not
+/// reproducible, while the deterministic `batched` path repeats bit for bit.
+#[test]
+fn repeat_catches_a_path_whose_second_run_differs_that_concurrent_passes() {
+    let dir = common::scratch("kit-repeat");
+    let (adapter, fixture) = (common::repo().join("adapters").join("toy_adapter.py"), common::fixture("llama-tiny"));
+    let suite = dir.join("racy.toml");
+    std::fs::write(
+        &suite,
+        format!(
+            r#"name = "racy"
+dtype = "float32"
+scenarios = ["concurrent", "repeat"]
+backends = ["batched", "racy"]
+
+[engine]
+kind = "process"
+command = ["python3", {adapter:?}]
+reference = "alone"
+
+[engine.paths]
+alone = ["--path", "alone"]
+batched = ["--path", "batched"]
+racy = ["--path", "racy"]
+
+[settings]
+max_tokens = 8
+
+[[prompts]]
+name = "long"
+text = "Two sequences, one pool of blocks."
+
+[[prompts]]
+name = "short"
+text = "RoPE"
+
+[[checkpoints]]
+path = {fixture:?}
+"#
+        ),
+    )
+    .unwrap();
+    let (code, out, report) = common::run_report("kit-repeat-run", &[suite.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    let rows = |scenario: &str, path: &str| -> Vec<_> {
+        report.rows.iter().filter(|r| r.scenario == scenario && r.path == path).collect()
+    };
+    for path in ["batched", "racy"] {
+        let concurrent = rows("concurrent", path);
+        assert!(concurrent.len() >= 4 && concurrent.iter().all(|r| r.pass), "{path}: {out}");
+    }
+    let again = rows("repeat", "batched");
+    assert!(again.len() >= 4, "{out}");
+    assert!(again.iter().all(|r| r.pass && r.max_rel_rms == Some(0.0)), "{out}");
+    let racy = rows("repeat", "racy");
+    assert_eq!(racy.len(), again.len(), "{out}");
+    for r in racy {
+        let failure = r.failure.as_deref().unwrap_or_default();
+        assert!(!r.pass && failure.starts_with("not reproducible: the second run"), "{failure}");
+        // The tokens agree: only the bits say the runs differ.
+        assert_eq!(r.tokens, r.reference_tokens);
+        assert!(r.max_rel_rms.is_some_and(|m| m > 0.0 && m < 1e-3), "{:?}", r.max_rel_rms);
+        assert!(r.evidence.iter().any(|e| e.claim == "batched" && e.status == Status::Held), "{:?}", r.evidence);
+    }
+}

@@ -89,10 +89,7 @@ pub fn parse_fault(s: &str) -> Result<Fault, String> {
 }
 
 fn parse_scenario(s: &str) -> Result<Scenario, String> {
-    Scenario::parse(s).ok_or_else(|| {
-        let known: Vec<&str> = crate::vocab::STEP_LEVEL.iter().map(|s| s.name()).collect();
-        format!("unknown scenario `{s}`; known: {}", known.join(", "))
-    })
+    Scenario::parse(s).ok_or_else(|| format!("unknown scenario `{s}`; known: {}", Scenario::known_names().join(", ")))
 }
 
 fn parse_shard(s: &str) -> Result<Shard, String> {

@@ -50,9 +50,10 @@ impl Judge<'_> {
         if let Some(d) = &c.distribution {
             return self.distribution(row, d, c, path);
         }
+        let tolerance = self.step_tolerance();
         let mut compared: Vec<PathComparison> = Vec::new();
         for d in &c.measured {
-            match compare::compare(&d.reference, &d.trace, path.dtype, self.spec.tolerance.max_rel_rms) {
+            match compare::compare(&d.reference, &d.trace, path.dtype, tolerance.max_rel_rms) {
                 Ok(cmp) => compared.push(cmp),
                 Err(e) => return fail(row, format!("comparison: {e}")),
             }
@@ -101,7 +102,12 @@ impl Judge<'_> {
             row.evidence = witness::steps(self.cell.scenario, &c.case, o, c.kv.as_ref(), path, &w);
         }
         weigh_evidence(&mut row);
-        self.finish(&mut row);
+        self.finish(&mut row, &tolerance);
+        if self.cell.scenario == Scenario::Repeat
+            && let Some(f) = row.failure.take()
+        {
+            row.failure = Some(format!("not reproducible: the second run of the schedule differs from the first: {f}"));
+        }
         memory_claims(&mut row);
         // Same tokens from a pool that leaks is still a broken engine: the books fail the row.
         if let Some(books) = &c.audit {
@@ -203,7 +209,7 @@ impl Judge<'_> {
         row.api = Some(facts);
         row.evidence = witness::requests(self.cell.scenario, &c.case, answers, &self.spec.witness(&self.cell.path));
         weigh_evidence(&mut row);
-        self.finish(&mut row);
+        self.finish(&mut row, &self.spec.tolerance);
         row
     }
 
@@ -322,10 +328,22 @@ impl Judge<'_> {
     }
 
     /// The row's texts, and its verdict against the tolerance.
-    fn finish(&self, row: &mut Row) {
+    fn finish(&self, row: &mut Row, tolerance: &Tolerance) {
         row.text = self.tokenizer.decode(&row.tokens).ok();
         row.reference_text = self.tokenizer.decode(&row.reference_tokens).ok();
-        verdict(row, &self.spec.tolerance);
+        verdict(row, tolerance);
+    }
+
+    /// What a stepped row is held to. A `repeat` row compares the path's run of a schedule
+    /// with its own earlier run of the same schedule and inputs: only nondeterminism can move
+    /// it, so any difference fails, whatever the checkpoint allows against another path.
+    fn step_tolerance(&self) -> Tolerance {
+        let mut t = self.spec.tolerance.clone();
+        if self.cell.scenario == Scenario::Repeat {
+            t.max_rel_rms = 0.0;
+            t.allow = vec![Verdict::Identical];
+        }
+        t
     }
 }
 

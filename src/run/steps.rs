@@ -117,7 +117,12 @@ pub(super) fn run(
             Some(Ok(path)) => {
                 let info = path.info().clone();
                 for c in scenario::run(cell.scenario, &mut setup, path.as_mut(), &good) {
-                    let floor = setup.noise_floor(&c.prompt.name, &all);
+                    // A repeat is compared with the path's own first run, not the reference:
+                    // the reference's noise floor says nothing of it.
+                    let floor = match cell.scenario {
+                        Scenario::Repeat => None,
+                        _ => setup.noise_floor(&c.prompt.name, &all),
+                    };
                     rows.push(judge.steps(&c, floor, &info));
                 }
             }

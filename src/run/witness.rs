@@ -18,7 +18,7 @@ const ROW_BYTES_SLACK: f64 = 0.01;
 /// The claims of a stepped case of scenario `sc` (case name `case`), in the order shown.
 fn claims(sc: Scenario, case: &str, d: &Driven, info: &PathInfo) -> Vec<&'static str> {
     let mut out = match sc {
-        Scenario::Batch2 | Scenario::Concurrent => vec!["batched"],
+        Scenario::Batch2 | Scenario::Concurrent | Scenario::Repeat => vec!["batched"],
         Scenario::Padded if case == "tile" => vec!["trimmed"],
         Scenario::Padded if case == "batch-right" => vec!["batched", "trimmed"],
         Scenario::Padded => vec!["batched"],

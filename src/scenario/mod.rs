@@ -19,6 +19,7 @@ pub mod corpus;
 pub mod explore;
 pub mod padded;
 pub mod prefix;
+pub mod repeat;
 pub mod requests;
 pub mod rollback;
 pub mod script;
@@ -56,8 +57,9 @@ pub fn run(sc: Scenario, setup: &mut Setup, path: &mut dyn EnginePath, prompts: 
         Scenario::Prefix => prefix::run(setup, path, prompts),
         Scenario::Script => script::run_all(setup, path, prompts),
         Scenario::Corpus => corpus::run(setup, path, prompts),
-        // Suites refuse these on step-level engines (the parser); never silently pass.
-        Scenario::Lengths | Scenario::Repeat => CaseOutput::for_every_prompt(
+        Scenario::Repeat => repeat::run(setup, path, prompts),
+        // Suites refuse this on step-level engines (the parser); never silently pass.
+        Scenario::Lengths => CaseOutput::for_every_prompt(
             prompts,
             Outcome::Failed(format!("`{}` runs on kind = \"openai\" only", sc.name())),
         ),

@@ -153,9 +153,10 @@ pub(super) fn scenarios_for(
     }
     let allowed: Vec<Scenario> =
         if openai { REQUEST_LEVEL } else { STEP_LEVEL }.iter().copied().chain([Scenario::Script]).collect();
-    // A corpus is read token by token (on a server, one request a position over its prompt
-    // cache), only where a suite names it.
-    let allowed: Vec<Scenario> = allowed.into_iter().chain([Scenario::Corpus]).collect();
+    // Run only where a suite names them: a corpus is read token by token (on a server, one
+    // request a position over its prompt cache); a stepped `repeat` runs the concurrent
+    // schedule twice (a server's is one of its defaults).
+    let allowed: Vec<Scenario> = allowed.into_iter().chain([Scenario::Corpus, Scenario::Repeat]).collect();
     if let Some(i) = scenarios.iter().position(|&s| s == Scenario::Script).filter(|_| !pinned) {
         let span = written.and_then(|w| w.get(i)).map(|w| w.span()).unwrap_or(checkpoint.clone());
         let kind = if openai { "`requests` (a server's)" } else { "`ops` (a stepped engine's)" };
