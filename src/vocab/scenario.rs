@@ -15,7 +15,9 @@ pub enum Scenario {
     Prefix,
     /// Request level only (kind = "openai"): prompt lengths across tile/block boundaries.
     Lengths,
-    /// Request level only (kind = "openai"): the same request twice, uncached then cached.
+    /// On a server (kind = "openai"), the same request twice, uncached then cached; on a
+    /// stepped engine, named by a suite only, the concurrent schedule twice, the second run held
+    /// to the first bit for bit.
     Repeat,
     /// The suite's pinned scripts (`[[scripts]]`), one case each: reproducers `parity explore`
     /// found, kept as rows of every run.
