@@ -644,3 +644,27 @@ fn bench_profile_times_every_operation_of_a_step_once() {
         }
     }
 }
+
+/// The reference's work is its own phase, counted once: it runs when the first cell needs it
+/// and every later cell reuses it. Inside the first cell's phase it made that scenario look
+/// several times slower than the same scenario on the next path, which sent a suite's time to
+/// the wrong place; a second `reference` phase would mean a reference computed again.
+#[test]
+fn a_stepped_run_times_its_references_once_and_apart_from_the_cells() {
+    let (code, out, report) = common::run_report(
+        "cli-phases",
+        &["suites/fixtures.toml", "--checkpoint", "llama-tiny", "--scenario", "single", "--scenario", "batch2"],
+    );
+    assert_eq!(code, 0, "{out}");
+    let c = &report.checkpoints[0];
+    let names: Vec<&str> = c.phases.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names, ["load", "reference", "single dense", "single paged", "batch2 dense", "batch2 paged"], "{out}");
+    assert!(c.phases[1].seconds > 0.0, "{:?}", c.phases);
+    let sum: f64 = c.phases.iter().map(|p| p.seconds).sum();
+    assert!(
+        sum <= report.summary.seconds + 0.01,
+        "phases overlap: {sum} s of phases in a {} s run",
+        report.summary.seconds
+    );
+    assert!(out.contains("time  llama-tiny: load "), "{out}");
+}

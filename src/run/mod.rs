@@ -308,9 +308,11 @@ fn encode(p: &PromptSpec, tok: &Tokenizer, config: &ModelConfig, vocab: usize, m
 }
 
 /// Run `cells` in order: each is announced, timed (a phase named `<scenario> <path>`, after
-/// any phases the cell itself records) and streamed to `progress` with its rows, which `run`
-/// makes and the filter then narrows to the rows asked for (a case yielding several rows, such
-/// as a prefix donor and adopter or a concurrent schedule, runs whole).
+/// any phases the cell itself records, such as a server's start or the reference's work done
+/// for it) and streamed to `progress` with its rows, which `run` makes and the filter then
+/// narrows to the rows asked for (a case yielding several rows, such as a prefix donor and
+/// adopter or a concurrent schedule, runs whole). Phases are disjoint: the cell's own phase is
+/// its time less the phases it recorded, so a report's phases add up to the run's time.
 fn each_cell<'c>(
     cells: impl IntoIterator<Item = &'c Cell>,
     filter: Filter,
@@ -322,10 +324,11 @@ fn each_cell<'c>(
     for cell in cells {
         let label = format!("{} {}", cell.scenario.name(), cell.path);
         progress.cell(&label);
-        let t = Instant::now();
+        let (t, before) = (Instant::now(), phases.len());
         let mut cell_rows = run(cell, phases);
         cell_rows.retain(|r| filter.selects_row(r));
-        phases.push(Phase { name: label, seconds: t.elapsed().as_secs_f64() });
+        let inner: f64 = phases[before..].iter().map(|p| p.seconds).sum();
+        phases.push(Phase { name: label, seconds: (t.elapsed().as_secs_f64() - inner).max(0.0) });
         progress.cell_done(&cell_rows);
         rows.append(&mut cell_rows);
     }

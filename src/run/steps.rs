@@ -96,8 +96,9 @@ pub(super) fn run(
     }
     let mut setup = Setup::new(reference.as_mut(), spec.settings.clone(), opts.faults, pad);
     setup.scripts = suite.step_scripts();
-    let rows = each_cell(cells.iter().copied(), r.filter, progress, &mut report.phases, |cell, _| {
+    let rows = each_cell(cells.iter().copied(), r.filter, progress, &mut report.phases, |cell, phases| {
         let mut rows = unencoded_rows(r, cell, &prompts);
+        let reference_before = setup.reference_time();
         let good: Vec<Prompt> = cell.prompts.iter().filter_map(|p| prompts[p].as_ref().ok().cloned()).collect();
         if good.is_empty() {
             return rows;
@@ -135,6 +136,12 @@ pub(super) fn run(
             None => {}
         }
         setup.select(None);
+        // References are computed when a cell first needs them and reused by the later ones:
+        // their cost is its own phase, so a cell's time is what its path took.
+        let reference = setup.reference_time() - reference_before;
+        if !reference.is_zero() {
+            phases.push(Phase { name: "reference".into(), seconds: reference.as_secs_f64() });
+        }
         rows
     });
     report.noise_floor = setup.noise_floors().clone();
