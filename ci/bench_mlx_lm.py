@@ -143,7 +143,17 @@ def openblas_config(maps):
         core = lib.openblas_get_corename().decode().strip()
     except (OSError, AttributeError, TypeError):
         return "openblas"
-    return config if core in config else f"{config} (core {core})"
+    blas = config if core in config else f"{config} (core {core})"
+    # ci/blas/gemv_forward.c in front of OpenBLAS, worded as parity words it, so a bench
+    # baseline taken with it on is not compared with a run that has it off.
+    shim = next((line.split()[-1] for line in maps.splitlines() if "libparity-gemv-forward" in line), None)
+    if shim:
+        try:
+            on = ctypes.CDLL(shim).parity_gemv_forward()
+        except (OSError, AttributeError):
+            return blas + " + one-row GEMM as GEMV (state unknown)"
+        blas += " + one-row GEMM as GEMV" if on else " + one-row GEMM as GEMV off"
+    return blas
 
 
 def blas_in_use():

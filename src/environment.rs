@@ -217,15 +217,113 @@ pub fn blas() -> Option<String> {
     };
     let config = call(symbol(c"openblas_get_config")?)?;
     let core = symbol(c"openblas_get_corename").and_then(call);
-    Some(match core {
+    let mut blas = match core {
         Some(core) if !config.contains(&core) => format!("{config} (core {core})"),
         _ => config,
-    })
+    };
+    // ci/blas/gemv_forward.c in front of OpenBLAS: a batch-1 decode runs 2x faster with it,
+    // so a bench or suite time says whether it ran (and whether PARITY_GEMV_FORWARD=0 held it
+    // off). ci/bench_mlx_lm.py words it the same, so a baseline is checked against it too.
+    if let Some(f) = symbol(c"parity_gemv_forward") {
+        // SAFETY: the shim's `int parity_gemv_forward(void)` takes nothing and only reads the
+        // environment once.
+        let on = unsafe { std::mem::transmute::<*mut libc::c_void, extern "C" fn() -> libc::c_int>(f) }();
+        blas.push_str(if on != 0 { " + one-row GEMM as GEMV" } else { " + one-row GEMM as GEMV off" });
+    }
+    Some(blas)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mlx_rs::Array;
+    use mlx_rs::ops::indexing::IndexOp;
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i * 7919 + seed * 104_729) % 23) as f32 / 11.0 - 1.0).collect()
+    }
+
+    /// `got` against `a @ b` in f64, `a` m x k and `b` k x n as row-major slices, with
+    /// `alpha * (a @ b) + beta * c` when `c` is given.
+    fn assert_product(
+        got: &Array,
+        a: &[f32],
+        b: &[f32],
+        (m, k, n): (usize, usize, usize),
+        c: Option<(&[f32], f32, f32)>,
+    ) {
+        got.eval().unwrap();
+        assert_eq!(got.size(), m * n, "shape {:?}", got.shape());
+        let got = got.as_slice::<f32>();
+        for i in 0..m {
+            for j in 0..n {
+                let (mut dot, mut mag) = (0f64, 0f64);
+                for l in 0..k {
+                    let t = a[i * k + l] as f64 * b[l * n + j] as f64;
+                    dot += t;
+                    mag += t.abs();
+                }
+                let (alpha, beta, c) = c.map_or((1.0, 0.0, 0.0), |(c, alpha, beta)| (alpha, beta, c[i * n + j]));
+                let want = alpha as f64 * dot + beta as f64 * c as f64;
+                let err = (got[i * n + j] as f64 - want).abs();
+                assert!(
+                    err <= 1e-5 * (mag + c.abs() as f64) + 1e-6,
+                    "({m}x{k}x{n}) [{i},{j}]: {} vs {want}",
+                    got[i * n + j]
+                );
+            }
+        }
+    }
+
+    /// Every shape of one-row product MLX's CPU matmul hands to `cblas_sgemm` gives the dot
+    /// products. Where ci/blas/gemv_forward.c is loaded (ci/setup puts it in front of
+    /// OpenBLAS) these calls are the ones it rewrites as GEMV, and a wrong stride, transpose
+    /// flag or an unzeroed output would pass every shape-only check and decode wrong tokens.
+    #[test]
+    fn one_row_products_through_mlx_are_their_dot_products() {
+        // MLX's allocator recycles freed buffers, so outputs land on earlier results (fresh
+        // pages are zero): a GEMV that adds into its output when beta == 0 gives twice the
+        // product here. Two rounds make sure every case runs on a recycled buffer.
+        for round in 0..2 {
+            one_row_products(round * 10);
+        }
+    }
+
+    fn one_row_products(seed: usize) {
+        // 1031 x 67: above the shim's 65536-element floor, so every product here is forwarded.
+        let (k, n) = (1031, 67);
+        let x = values(k, seed + 1);
+        let w = values(k * n, seed + 2);
+        let xa = Array::from_slice(&x, &[1, k as i32]);
+        let wa = Array::from_slice(&w, &[k as i32, n as i32]);
+        // x @ W: the decode step's projection with weights stored [in, out].
+        assert_product(&xa.matmul(&wa).unwrap(), &x, &w, (1, k, n), None);
+        // x @ W^T with W stored [out, in]: B arrives transposed.
+        let wt: Vec<f32> = (0..n * k).map(|i| w[(i % k) * n + i / k]).collect();
+        let wta = Array::from_slice(&wt, &[n as i32, k as i32]);
+        assert_product(&xa.matmul(wta.transpose().unwrap()).unwrap(), &x, &w, (1, k, n), None);
+        // W^T @ x^T: one output column (N == 1), and W^T @ x^T from [k, n] storage (A transposed).
+        let col = Array::from_slice(&x, &[k as i32, 1]);
+        assert_product(&wta.matmul(&col).unwrap(), &wt, &x, (n, k, 1), None);
+        assert_product(&wa.transpose().unwrap().matmul(&col).unwrap(), &wt, &x, (n, k, 1), None);
+        // alpha * x @ W + beta * c: the output is read, not overwritten.
+        let c = values(n, seed + 3);
+        let ca = Array::from_slice(&c, &[1, n as i32]);
+        let got = mlx_rs::ops::addmm(&ca, &xa, &wa, 2.0, 0.5).unwrap();
+        assert_product(&got, &x, &w, (1, k, n), Some((&c, 2.0, 0.5)));
+        // A batch of one-row products, each its own matrix: C's rows at a stride.
+        let b = 3;
+        let xs = values(b * k, seed + 4);
+        let ws = values(b * k * n, seed + 5);
+        let got = Array::from_slice(&xs, &[b as i32, 1, k as i32])
+            .matmul(Array::from_slice(&ws, &[b as i32, k as i32, n as i32]))
+            .unwrap();
+        got.eval().unwrap();
+        for i in 0..b {
+            let row = got.index(i as i32);
+            assert_product(&row, &xs[i * k..(i + 1) * k], &ws[i * k * n..(i + 1) * k * n], (1, k, n), None);
+        }
+    }
 
     /// A GPU result must name what ran it: a CUDA and a Metal report would otherwise read
     /// alike (`gpu`), though their arithmetic differs.
