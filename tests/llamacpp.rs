@@ -74,8 +74,12 @@ fn llama_cpp_paths_on_smollm2() {
     assert!(rows("unified", "prefix").any(|r| r.case == "after-finish" && !r.pass && r.verdict == Verdict::Identical));
     assert!(rows("unified", "concurrent").any(|r| !r.pass && r.verdict == Verdict::Identical));
     // A 37-token prompt padded to 64 rows runs flash attention's tiled kernel (64 query rows
-    // and more), the unpadded one its one-row kernel: the reference path itself diverges.
+    // and more), the unpadded one its one-row kernel: the reference path itself diverges, from
+    // the prefill's own logits on. Which step's greedy choice flips first follows the SIMD
+    // kernels ggml was built with (ci/ggml-isa.sh): step 0 with AVX-512, step 7 on an AVX2-only
+    // CPU, so the prefill's difference is what is held here, not the flip.
     let padded = rows("per-seq", "padded").find(|r| r.prompt == "france37" && r.case == "tile").expect("padded row");
     assert_eq!(padded.verdict, Verdict::Diverged, "{:?}", padded.failure);
-    assert_eq!(padded.first_divergence.as_ref().map(|d| d.choice.step), Some(0));
+    let prefill = padded.step_rel_rms.first().copied().flatten();
+    assert!(prefill.is_some_and(|d| d > 1e-2), "the 64-row prefill's logits: rel RMS {prefill:?}");
 }

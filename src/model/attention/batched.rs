@@ -9,20 +9,26 @@
 //! single-offset call on the batch), `batch-row-swap` (the offsets array), `ragged-mask-wide`
 //! (the mask) and `pad-unmasked` (the mask).
 
-use mlx_rs::Array;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
+use mlx_rs::{Array, Dtype};
 
 use super::{LayerView, StepContext};
 use crate::error::Result;
 use crate::faults::{Fault, Faults};
 use crate::kv::KvCache;
 use crate::kv::store::Memo;
+use crate::model::rope::{Angles, Rope};
 
-/// What the layers of one batched step share: the offsets array and the mask, built once.
+/// What the layers of one batched step share: the offsets array, the rotation angles and the
+/// mask, built once.
 pub struct Step {
     /// `[B]` int32 RoPE offsets, one per row.
     offsets: Array,
     tokens: usize,
+    /// The global layers' RoPE angles, where MLX has no rope kernel (see [`Rope::angles`]).
+    angles: Memo<Dtype, Angles>,
+    /// The same for the sliding-window layers' RoPE.
+    local_angles: Memo<Dtype, Angles>,
     /// The mask for the visible lengths and first positions the cache reported (the same for
     /// every global layer).
     mask: Memo<(Vec<usize>, Vec<usize>), Mask>,
@@ -48,7 +54,26 @@ impl Step {
             offsets.swap(0, 1);
         }
         let n = offsets.len() as i32;
-        Step { offsets: Array::from_slice(&offsets, &[n]), tokens, mask: Memo::new(), local_mask: Memo::new() }
+        Step {
+            offsets: Array::from_slice(&offsets, &[n]),
+            tokens,
+            angles: Memo::new(),
+            local_angles: Memo::new(),
+            mask: Memo::new(),
+            local_mask: Memo::new(),
+        }
+    }
+
+    /// `x` (`[B, H, T, D]`) rotated by `rope`, each row from its own offset: MLX's kernel where it
+    /// has one, else MLX's computation with this step's angles, shared by every layer of
+    /// `rope`'s kind (a decode step of SmolLM2 built them 60 times).
+    fn rotate(&self, rope: &Rope, sliding: bool, x: &Array) -> Result<Array> {
+        if rope.kernel() {
+            return rope.apply_batch(x, &self.offsets);
+        }
+        let memo = if sliding { &self.local_angles } else { &self.angles };
+        let angles = memo.get_or_try(x.dtype(), |&dtype| rope.angles(&self.offsets, self.tokens as i32, dtype))?;
+        rope.rotate(x, &angles)
     }
 }
 
@@ -68,7 +93,8 @@ pub fn attend(
         // Planted fault: the "uniform offsets" fast path, one call with row 0's offset.
         (rope.apply_batch_aliased(&q, ctx.offsets[0])?, rope.apply_batch_aliased(&k, ctx.offsets[0])?)
     } else {
-        (rope.apply_batch(&q, &step.offsets)?, rope.apply_batch(&k, &step.offsets)?)
+        let sliding = view.window.is_some();
+        (step.rotate(rope, sliding, &q)?, step.rotate(rope, sliding, &k)?)
     };
     crate::model::tap(ctx.taps, Some(layer), "rope_q", &q);
     crate::model::tap(ctx.taps, Some(layer), "rope_k", &k);
