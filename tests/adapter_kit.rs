@@ -2,9 +2,9 @@
 //! (adapters/toy_adapter.py) through every step scenario of suites/kit.toml, its snapshots
 //! accepted, each row showing the evidence its path can show.
 
-mod common;
+use crate::common;
 
-use common::{code, parity, text};
+use crate::common::{code, parity, text};
 use parity::vocab::{Status, Verdict};
 
 #[test]
@@ -52,7 +52,7 @@ fn a_rust_engine_on_the_kit_passes_the_kit_suite() {
     let exe = std::env::current_exe().expect("test binary");
     let toy = exe.parent().and_then(|deps| deps.parent()).expect("target dir").join("examples").join("toy_adapter");
     if !toy.exists() {
-        // `cargo test` builds the examples; a run of this target alone (`--test adapter_kit`) does not.
+        // `cargo test` builds the examples; a run of the tests alone (`--test integration`) does not.
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let built = std::process::Command::new(cargo)
             .args(["build", "--example", "toy_adapter"])

@@ -1,7 +1,7 @@
 //! The real Qwen3 and Llama 3 chat templates (from ../shared/tokenizers) render through
 //! minijinja the way transformers renders them.
 
-mod common;
+use crate::common;
 
 use parity::checkpoint::Tokenizer;
 

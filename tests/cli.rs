@@ -1,9 +1,9 @@
 //! The binary end to end: the fixture suite passes and its snapshots are byte-stable, exit codes
 //! mean what README says, bad input fails cleanly.
 
-mod common;
+use crate::common;
 
-use common::{code, command, parity, text};
+use crate::common::{code, command, parity, text};
 
 use std::path::{Path, PathBuf};
 

@@ -2,7 +2,7 @@
 //! never a pass, and a case a scenario cannot form is a skipped row, never a missing one.
 //! (What the settings alone make vacuous is a parse error: tests/suite_errors.rs.)
 
-mod common;
+use crate::common;
 
 use parity::Builtin;
 

@@ -4,11 +4,11 @@
 //! report must name both sides' devices, and a bad spelling is a suite error before anything
 //! runs. The GPU run is `ci/gpu/run device` (docs/gpu.md).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
-use common::{assert_no_leftovers, code, command, parity, repo, run_report, scratch, text};
+use crate::common::{assert_no_leftovers, code, command, parity, repo, run_report, scratch, text};
 use parity::vocab::{BuiltinPath, BuiltinRef, Device, EngineSpec, ReferenceSpec};
 
 /// The shipped GPU suite on the CPU: every row passes, and with every rel RMS 0, since the

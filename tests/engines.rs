@@ -6,7 +6,7 @@
 //!   wrong-sized logits or lies about a trim fails the affected rows with a clear error, the
 //!   rest of the run completes, and no adapter process outlives the run.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

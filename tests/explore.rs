@@ -1,7 +1,7 @@
 //! `parity explore`: random schedules find what the fixed scenarios find, without them, and
 //! shrink it to a reproducer a suite can pin.
 
-mod common;
+use crate::common;
 
 use parity::faults::{self, Fault, Faults};
 use parity::report::{Report, Row};

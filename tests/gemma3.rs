@@ -3,7 +3,7 @@
 //! suites/gemma3.toml, dense and paged, batched and row by row. mlx-lm's greedy tokens on the
 //! same fixture are checked in tests/reference.rs.
 
-mod common;
+use crate::common;
 
 use parity::vocab::Verdict;
 

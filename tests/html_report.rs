@@ -3,9 +3,9 @@
 //! fetched from the network), from `parity merge`, and refused before any work when its path
 //! cannot be written.
 
-mod common;
+use crate::common;
 
-use common::{code, parity, text};
+use crate::common::{code, parity, text};
 
 fn rows(json: &std::path::Path) -> Vec<serde_json::Value> {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json).expect("json")).expect("parse");

@@ -7,11 +7,11 @@
 //! bit-exact once a sequence's cells sit elsewhere, and a 64-row prefill switches flash
 //! attention's kernel.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 
-use common::text;
+use crate::common::text;
 use parity::vocab::{Status, Verdict};
 
 #[test]

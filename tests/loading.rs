@@ -1,6 +1,6 @@
 //! Bad input never panics: every case is an error that names the file and the field.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 
@@ -20,7 +20,7 @@ fn load_err(dir: &Path) -> String {
     }
 }
 
-use common::edit_config;
+use crate::common::edit_config;
 
 #[test]
 fn fixtures_of_every_family_load_and_generate() {

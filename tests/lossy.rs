@@ -3,7 +3,7 @@
 //! position, and held to bounds on that distribution. The shipped suite is suites/lossy.toml;
 //! these run a short corpus on a fixture and on the real SmolLM2.
 
-mod common;
+use crate::common;
 
 use parity::report::{Report, Row};
 use parity::vocab::{DistributionTolerance, Verdict};

@@ -2,9 +2,9 @@
 //! `ci/mlx-lm --setup` makes; ./ci/test creates it). The fixtures only, to stay fast; the
 //! full suite and its findings are in docs/mlx-lm.md.
 
-mod common;
+use crate::common;
 
-use common::{code, parity, text};
+use crate::common::{code, parity, text};
 
 #[test]
 fn mlx_lm_caches_match_kvcache_and_parity_on_the_llama_fixture() {

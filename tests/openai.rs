@@ -9,7 +9,7 @@
 //!   malformed JSON or no logprobs fails only its own rows with a clear error, the rest of
 //!   the run completes, and no server process outlives the run.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

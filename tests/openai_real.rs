@@ -13,7 +13,7 @@
 //! complete and sound (no errors, the server's prompt counts agree with parity's, quirks
 //! counted, no server left), and that the sequential reference path agrees with itself.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,7 +1,7 @@
 //! The dense path reproduces mlx-lm (Python, same MLX, float32) token for token on the real
 //! SmolLM2 checkpoint; the paged path reproduces it too, at two block sizes.
 
-mod common;
+use crate::common;
 
 use parity::faults::Faults;
 use parity::generate;

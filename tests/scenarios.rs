@@ -1,7 +1,7 @@
 //! Every scenario on both backends on the tiny fixtures gives the dense reference's tokens,
 //! with logits that match to float32 noise.
 
-mod common;
+use crate::common;
 
 use parity::Builtin;
 use parity::dtype::DtypeName;

@@ -1,7 +1,7 @@
 //! The fixture suite catches every planted fault (the full table runs in CI through
 //! `parity selftest`; this checks the machinery on one checkpoint).
 
-mod common;
+use crate::common;
 
 use parity::faults;
 use parity::selftest;

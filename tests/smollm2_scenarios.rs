@@ -2,7 +2,7 @@
 //! prefill with trim (37 tokens -> 64 rows -> trim 27), B=2 batches and continuous batching.
 //! Every row gives the dense reference's tokens on both backends.
 
-mod common;
+use crate::common;
 
 use parity::vocab::Scenario;
 use parity::vocab::Verdict;

@@ -2,7 +2,7 @@
 //! (one validation, every problem listed by tensor), non-finite weights are blamed on the
 //! checkpoint rather than on the KV pool, and an empty prompt says what the user did.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Output};

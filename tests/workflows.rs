@@ -2,9 +2,9 @@
 //! report selects exactly that row; a selection of nothing never passes), CI logs (rows stream
 //! as they finish), and report paths checked before any work.
 
-mod common;
+use crate::common;
 
-use common::{code, command, parity, text};
+use crate::common::{code, command, parity, text};
 
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
