@@ -29,8 +29,12 @@ fn main() {
     println!("cargo:rustc-env=PARITY_GIT_COMMIT={commit}");
     // Rebuild the stamp when HEAD moves or tracked files change (naming any path disables
     // cargo's default of re-running on every package file, so the sources are listed too).
+    // Only files that exist: cargo takes a missing one as changed on every build, and a
+    // repository without packed-refs rebuilt parity at every cargo command.
     for p in ["HEAD", "index", "packed-refs"] {
-        if let Some(path) = git(&["rev-parse", "--git-path", p]) {
+        if let Some(path) = git(&["rev-parse", "--git-path", p])
+            && std::path::Path::new(&path).exists()
+        {
             println!("cargo:rerun-if-changed={path}");
         }
     }
