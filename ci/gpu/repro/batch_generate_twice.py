@@ -13,8 +13,13 @@ the benchmark's prompts (ci/bench_mlx_lm.py: prompt_ids, ragged_lengths), then n
              give logits bit-identical to the first, and the largest difference
   single     the same for one row alone (B = 1)
 
-each in bfloat16 and float32 (float32 with MLX_ENABLE_TF32 as the environment has it).
-Usage: batch_generate_twice.py CHECKPOINT [--batch 8] [--runs 5] [--json out.json];
+each in the dtypes of --dtypes (default bfloat16 and float32; float32 with MLX_ENABLE_TF32 as
+the environment has it). On the H200 (docs/gpu.md) batch 8 alone repeated itself, and the
+order 1, 8, 32, 64 did not: rows differed from the first run from the first token on.
+With --batches 1,8,32,64 the generate part runs those batches in that order, each RUNS times
+against its own first run, as the benchmark does (the forward parts keep --batch).
+Usage: batch_generate_twice.py CHECKPOINT [--batch 8] [--batches B,...] [--runs 5]
+       [--dtypes bfloat16,float32] [--json out.json];
 exit 77 with "SKIP(no-gpu)" where MLX has no CUDA device.
 """
 
@@ -30,9 +35,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("checkpoint")
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batches", help="comma-separated batch sizes run in this order, each RUNS "
+                   "times against its own first run, as ci/bench_mlx_lm.py does (default: --batch)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode", type=int, default=64)
+    p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--json")
     args = p.parse_args()
 
@@ -47,7 +55,7 @@ def main():
 
     out = {"batch": args.batch, "runs": args.runs, "mlx": mx.__version__,
            "tf32": os.environ.get("MLX_ENABLE_TF32"), "dtypes": {}}
-    for name in ["bfloat16", "float32"]:
+    for name in args.dtypes.split(","):
         model, _ = load(args.checkpoint)
         bench.cast_model(model, bench.DTYPES[name])
         ids = bench.prompt_ids(args.prompt_len, model.args.vocab_size)
@@ -55,18 +63,23 @@ def main():
         prompts = [ids[:n] for n in lengths]
         res = {}
 
-        first = None
-        runs = []
-        for r in range(args.runs):
-            tokens, _ = bench.batch_run(model, prompts, args.decode)
-            if first is None:
-                first = tokens
-            rows = []
-            for b, (a, t) in enumerate(zip(first, tokens)):
-                diff = next((i for i, (x, y) in enumerate(zip(a, t)) if x != y), None)
-                if diff is not None:
-                    rows.append({"row": b, "length": lengths[b], "first_position": diff})
-            runs.append({"run": r + 1, "rows_differing_from_run_1": rows})
+        def generate(batch):
+            sizes = bench.ragged_lengths(args.prompt_len, batch)
+            first, runs = None, []
+            for r in range(args.runs):
+                tokens, _ = bench.batch_run(model, [ids[:n] for n in sizes], args.decode)
+                if first is None:
+                    first = tokens
+                rows = []
+                for b, (a, t) in enumerate(zip(first, tokens)):
+                    diff = next((i for i, (x, y) in enumerate(zip(a, t)) if x != y), None)
+                    if diff is not None:
+                        rows.append({"row": b, "length": sizes[b], "first_position": diff})
+                runs.append({"run": r + 1, "rows_differing_from_run_1": rows})
+            return runs
+
+        order = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
+        runs = {str(b): generate(b) for b in order}
         res["generate"] = runs
 
         # One forward of the left-padded batch, no cache, the same inputs every time.
@@ -90,7 +103,9 @@ def main():
         res["forward"] = repeat(padded)
         res["single"] = repeat(mx.array([prompts[0]], dtype=mx.uint32))
         out["dtypes"][name] = res
-        print(name, json.dumps(res))
+        differing = {b: [len(r["rows_differing_from_run_1"]) for r in rs] for b, rs in runs.items()}
+        print(name, "rows differing from run 1, per run, by batch:", json.dumps(differing),
+              "forward:", json.dumps(res["forward"]), "single:", json.dumps(res["single"]))
         del model
         mx.clear_cache()
     if args.json:
