@@ -9,7 +9,7 @@ the benchmark's prompts (ci/bench_mlx_lm.py: prompt_ids, ragged_lengths), then n
 
   generate   batch_generate RUNS times on the same prompts: per run, the rows whose tokens differ
              from run 1's and the first differing position
-  forward    one forward pass of the same left-padded batch (no cache), RUNS times: how many runs
+  forward    one forward pass of the same left-padded batch (no cache, no mask), RUNS times: how many runs
              give logits bit-identical to the first, and the largest difference
   single     the same for one row alone (B = 1)
 
@@ -82,7 +82,8 @@ def main():
         runs = {str(b): generate(b) for b in order}
         res["generate"] = runs
 
-        # One forward of the left-padded batch, no cache, the same inputs every time.
+        # One forward of the left-padded batch, no cache and no mask (so not batch_generate's
+        # prefill), the same inputs every time: are the model's kernels alone repeatable?
         width = max(lengths)
         padded = mx.array([[0] * (width - n) + p for n, p in zip(lengths, prompts)], dtype=mx.uint32)
 
