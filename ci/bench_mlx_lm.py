@@ -149,10 +149,11 @@ def openblas_config(maps):
     shim = next((line.split()[-1] for line in maps.splitlines() if "libparity-gemv-forward" in line), None)
     if shim:
         try:
-            on = ctypes.CDLL(shim).parity_gemv_forward()
+            label = ctypes.CDLL(shim).parity_blas_shim
+            label.restype = ctypes.c_char_p
+            blas += " + " + label().decode()
         except (OSError, AttributeError):
-            return blas + " + one-row GEMM as GEMV (state unknown)"
-        blas += " + one-row GEMM as GEMV" if on else " + one-row GEMM as GEMV off"
+            return blas + " + GEMM forwarding (state unknown)"
     return blas
 
 

@@ -197,7 +197,9 @@ pub fn environment() -> Environment {
 }
 
 /// OpenBLAS's configuration and the kernel it picked for this CPU (`OPENBLAS_CORETYPE`
-/// overrides it), or `None` when no OpenBLAS is loaded (macOS uses Accelerate).
+/// overrides it), and what ci/blas/gemv_forward.c forwards when it is in front (its
+/// label's "2-12-row GEMM" part says products of 2 to 12 rows read the weights once), or `None`
+/// when no OpenBLAS is loaded (macOS uses Accelerate).
 ///
 /// Why it is recorded: OpenBLAS 0.3.21 (Debian 12) does not know newer Xeons (family 6 model
 /// 207) and runs its generic `Prescott` kernel on them, 2-3x slower than `SkylakeX`; a bench
@@ -209,7 +211,8 @@ pub fn blas() -> Option<String> {
         (!f.is_null()).then_some(f)
     };
     let call = |f: *mut libc::c_void| -> Option<String> {
-        // SAFETY: both OpenBLAS functions take no argument and return a static C string.
+        // SAFETY: both OpenBLAS functions and the shim's label take no argument and return a
+        // static C string.
         let get = unsafe { std::mem::transmute::<*mut libc::c_void, extern "C" fn() -> *const libc::c_char>(f) };
         let p = get();
         // SAFETY: non-null pointers from OpenBLAS point to NUL-terminated static strings.
@@ -221,14 +224,13 @@ pub fn blas() -> Option<String> {
         Some(core) if !config.contains(&core) => format!("{config} (core {core})"),
         _ => config,
     };
-    // ci/blas/gemv_forward.c in front of OpenBLAS: a batch-1 decode runs 2x faster with it,
-    // so a bench or suite time says whether it ran (and whether PARITY_GEMV_FORWARD=0 held it
-    // off). ci/bench_mlx_lm.py words it the same, so a baseline is checked against it too.
-    if let Some(f) = symbol(c"parity_gemv_forward") {
-        // SAFETY: the shim's `int parity_gemv_forward(void)` takes nothing and only reads the
-        // environment once.
-        let on = unsafe { std::mem::transmute::<*mut libc::c_void, extern "C" fn() -> libc::c_int>(f) }();
-        blas.push_str(if on != 0 { " + one-row GEMM as GEMV" } else { " + one-row GEMM as GEMV off" });
+    // ci/blas/gemv_forward.c in front of OpenBLAS: decode at batch 1 to 12 runs about 2x
+    // faster with it, so a bench or suite time says whether it ran (and whether
+    // PARITY_GEMV_FORWARD=0 held it off). The shim words it itself, and ci/bench_mlx_lm.py
+    // reads the same words, so a baseline is checked against it too.
+    if let Some(f) = symbol(c"parity_blas_shim") {
+        blas.push_str(" + ");
+        blas.push_str(&call(f)?);
     }
     Some(blas)
 }
@@ -322,6 +324,60 @@ mod tests {
         for i in 0..b {
             let row = got.index(i as i32);
             assert_product(&row, &xs[i * k..(i + 1) * k], &ws[i * k * n..(i + 1) * k * n], (1, k, n), None);
+        }
+    }
+
+    /// Products of a few rows by a weight matrix, as a decode step at batch 2 to 12 (or a
+    /// prefill chunk of so many tokens) hands them to `cblas_sgemm`, with the weights stored
+    /// `[in, out]` (parity's) and `[out, in]` (mlx-lm's `x @ W.T`): the rows
+    /// ci/blas/gemv_forward.c sends to its own kernels (2 to 12), and 13, past their limit,
+    /// which stay OpenBLAS's. A kernel that mixes up a stride, drops the columns past the last
+    /// 16 or a K tail, or reads C when beta is 0 decodes wrong tokens while every shape checks.
+    #[test]
+    fn few_row_products_through_mlx_are_their_dot_products() {
+        // K = 583 ends mid-block (16) and n = 131 mid-vector, and each thread's share of the
+        // columns is not a multiple of 16.
+        let (k, n) = (583, 131);
+        let w = values(k * n, 7);
+        let wa = Array::from_slice(&w, &[k as i32, n as i32]);
+        let wt: Vec<f32> = (0..n * k).map(|i| w[(i % k) * n + i / k]).collect();
+        let wta = Array::from_slice(&wt, &[n as i32, k as i32]);
+        for round in 0..2 {
+            for m in [2, 3, 8, 9, 12, 13] {
+                let x = values(m * k, round * 10 + m);
+                let xa = Array::from_slice(&x, &[m as i32, k as i32]);
+                let c = values(m * n, round * 10 + m + 1);
+                let ca = Array::from_slice(&c, &[m as i32, n as i32]);
+                for weights in [&wa, &wta.transpose().unwrap()] {
+                    assert_product(&xa.matmul(weights).unwrap(), &x, &w, (m, k, n), None);
+                    let got = mlx_rs::ops::addmm(&ca, &xa, weights, 2.0, 0.5).unwrap();
+                    assert_product(&got, &x, &w, (m, k, n), Some((&c, 2.0, 0.5)));
+                }
+            }
+        }
+    }
+
+    /// With the shim loaded, a row's product does not depend on how many rows (2 to 12) share
+    /// the call: a sequence decoded next to one other gets the logits it gets next to eleven.
+    #[test]
+    fn a_rows_product_is_the_same_next_to_2_to_12_rows() {
+        if !blas().is_some_and(|b| b.contains("2-12-row GEMM reading the weights once")) {
+            return;
+        }
+        let (k, n) = (577, 160);
+        let w = Array::from_slice(&values(n * k, 3), &[k as i32, n as i32]);
+        let rows = values(12 * k, 5);
+        for weights in [w.clone(), w.reshape(&[n as i32, k as i32]).unwrap().transpose().unwrap()] {
+            let first_row = |m: usize| {
+                let x = Array::from_slice(&rows[..m * k], &[m as i32, k as i32]);
+                let y = x.matmul(&weights).unwrap().index(0);
+                y.eval().unwrap();
+                y.as_slice::<f32>().to_vec()
+            };
+            let two = first_row(2);
+            for m in 3..=12 {
+                assert_eq!(first_row(m), two, "row 0 of a {m}-row product");
+            }
         }
     }
 
