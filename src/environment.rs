@@ -357,6 +357,31 @@ mod tests {
         }
     }
 
+    /// Several threads multiplying few-row products at once (MLX's streams, a test harness's
+    /// threads) each get their own product: the shim's workers serve one job at a time, and a
+    /// second caller that shared them would overwrite the first one's job and return before
+    /// its columns were written.
+    #[test]
+    fn few_row_products_from_several_threads_at_once_are_each_their_own() {
+        let (m, k, n) = (3, 577, 257);
+        let handles: Vec<_> = (0..4)
+            .map(|t| {
+                std::thread::spawn(move || {
+                    let w = values(k * n, 11 + t);
+                    let x = values(m * k, 13 + t);
+                    let (wa, xa) =
+                        (Array::from_slice(&w, &[k as i32, n as i32]), Array::from_slice(&x, &[m as i32, k as i32]));
+                    for _ in 0..20 {
+                        assert_product(&xa.matmul(&wa).unwrap(), &x, &w, (m, k, n), None);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("a thread's products");
+        }
+    }
+
     /// With the shim loaded, a row's product does not depend on how many rows (2 to 12) share
     /// the call: a sequence decoded next to one other gets the logits it gets next to eleven.
     #[test]

@@ -21,7 +21,10 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
-#include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,6 +32,7 @@ enum { RowMajor = 101, ColMajor = 102, NoTrans = 111, Trans = 112, ConjTrans = 1
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
                          float *, int);
+int openblas_get_num_threads(void);
 void cblas_sgemv(int order, int trans, int m, int n, float alpha, const float *a, int lda, const float *x, int incx,
                  float beta, float *y, int incy);
 
@@ -139,32 +143,130 @@ static inline __attribute__((always_inline)) void nt_columns(int m, int k, const
 }
 
 /* C (m x n, ldc) = alpha A op(B) + beta C, A's rows contiguous; `scratch` (m x n) holds the
- * sums when beta != 0 (beta == 0 must not read C, see gemv above: then C itself holds them).
- * Compiled for AVX-512, AVX2 + FMA and the baseline, chosen at load by the CPU; a product is
- * the same on every run of one machine. */
-__attribute__((target_clones("avx512f", "arch=haswell", "default"))) static void few_rows(
-    int trans_b, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb, float beta,
-    float *c, int ldc, float *scratch) {
-#pragma omp parallel
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int per = ((n + nt - 1) / nt + 15) & ~15;
-        int j0 = t * per < n ? t * per : n, j1 = j0 + per < n ? j0 + per : n;
-        int width = j1 - j0, ldacc = scratch ? n : ldc;
-        float *acc = (scratch ? scratch : c) + j0;
-        if (width > 0) {
-            if (trans_b)
-                nt_columns(m, k, a, lda, b, ldb, acc, ldacc, j0, j1);
-            else
-                nn_columns(m, k, a, lda, b, ldb, acc, ldacc, j0, j1);
-            for (int i = 0; i < m; i++)
-                for (int j = 0; j < width; j++) {
-                    float *o = c + (long)i * ldc + j0 + j;
-                    float p = acc[(long)i * ldacc + j];
-                    *o = beta == 0.0f ? alpha * p : alpha * p + beta * *o;
-                }
+ * sums when beta != 0 (beta == 0 must not read C, see gemv above: then C itself holds them). */
+typedef struct {
+    int trans_b, m, n, k, lda, ldb, ldc, parts;
+    float alpha, beta;
+    const float *a, *b;
+    float *c, *scratch;
+} Job;
+
+/* Part `t` of `parts` of a job: a run of the output's columns, a multiple of 16 wide. Compiled
+ * for AVX-512, AVX2 + FMA and the baseline, chosen at load by the CPU; a column's sums are the
+ * same whichever part computes it. */
+__attribute__((target_clones("avx512f", "arch=haswell", "default"))) static void part(const Job *j, int t) {
+    int per = ((j->n + j->parts - 1) / j->parts + 15) & ~15;
+    int j0 = t * per < j->n ? t * per : j->n, j1 = j0 + per < j->n ? j0 + per : j->n;
+    int width = j1 - j0, ldacc = j->scratch ? j->n : j->ldc;
+    float *acc = (j->scratch ? j->scratch : j->c) + j0;
+    if (width <= 0) return;
+    if (j->trans_b)
+        nt_columns(j->m, j->k, j->a, j->lda, j->b, j->ldb, acc, ldacc, j0, j1);
+    else
+        nn_columns(j->m, j->k, j->a, j->lda, j->b, j->ldb, acc, ldacc, j0, j1);
+    for (int i = 0; i < j->m; i++)
+        for (int q = 0; q < width; q++) {
+            float *o = j->c + (long)i * j->ldc + j0 + q;
+            float p = acc[(long)i * ldacc + q];
+            *o = j->beta == 0.0f ? j->alpha * p : j->alpha * p + j->beta * *o;
+        }
+}
+
+/* The workers that run parts 1.. of a job while the caller runs part 0: as many threads in all
+ * as OpenBLAS runs (OPENBLAS_NUM_THREADS holds both). Between jobs a worker spins, yielding
+ * the core often, as OpenBLAS's own threads do, then sleeps. OpenMP's wait, which spins long
+ * without yielding, made two processes running these products at once (parallel tests, two
+ * suites) 40x slower each: every call waited out the other's time slice. */
+enum { SpinYields = 2000, PausesPerYield = 64 };
+
+/* Wait a while until `*v != not` (or, given `count`, until `*count == 0`): 64 pause
+ * instructions between looks, a sched_yield after each batch of them (so another runnable
+ * thread gets the core at once). Returns whether the wait ended. */
+static int spin_wait(atomic_uint *v, unsigned not, atomic_int *count) {
+    for (int y = 0; y < SpinYields; y++) {
+        for (int i = 0; i < PausesPerYield; i++) {
+            if (count ? atomic_load(count) == 0 : atomic_load(v) != not) return 1;
+            __builtin_ia32_pause();
+        }
+        sched_yield();
+    }
+    return 0;
+}
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake, done;
+    Job job;
+    atomic_uint generation; /* bumped for every job handed to the workers */
+    atomic_int pending;     /* workers yet to finish the current job */
+    int workers;
+    pid_t owner; /* a forked child has none of these threads: it runs every part itself */
+    /* Held by the caller whose job the workers run: a second thread calling meanwhile (two
+     * MLX streams, or a test harness's threads) runs its own parts itself. */
+    pthread_mutex_t busy;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          .busy = PTHREAD_MUTEX_INITIALIZER};
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void *worker(void *arg) {
+    int id = (int)(long)arg;
+    unsigned seen = 0;
+    for (;;) {
+        unsigned g = seen;
+        if (spin_wait(&pool.generation, seen, NULL)) g = atomic_load(&pool.generation);
+        if (g == seen) {
+            pthread_mutex_lock(&pool.lock);
+            while ((g = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+            pthread_mutex_unlock(&pool.lock);
+        }
+        seen = g;
+        if (id < pool.job.parts) part(&pool.job, id);
+        if (atomic_fetch_sub(&pool.pending, 1) == 1) {
+            pthread_mutex_lock(&pool.lock);
+            pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.lock);
         }
     }
+    return NULL;
+}
+
+static void start_pool(void) {
+    int threads = openblas_get_num_threads();
+    pool.owner = getpid();
+    for (long id = 1; id < threads; id++) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&t, &attr, worker, (void *)id) == 0) pool.workers++;
+        pthread_attr_destroy(&attr);
+        if (pool.workers != id) break;
+    }
+}
+
+static void few_rows(Job job) {
+    pthread_once(&pool_once, start_pool);
+    /* Each part 64 columns or more: waking a thread costs more than a few columns' weights. */
+    int most = job.n / 64 > 1 ? job.n / 64 : 1;
+    job.parts = pool.workers + 1 < most ? pool.workers + 1 : most;
+    if (job.parts == 1 || getpid() != pool.owner || pthread_mutex_trylock(&pool.busy) != 0) {
+        for (int t = 0; t < job.parts; t++) part(&job, t);
+        return;
+    }
+    /* The job is written before the generation is bumped and read after it is seen; the next
+     * job waits until every worker has counted itself out of this one. */
+    pool.job = job;
+    atomic_store(&pool.pending, pool.workers);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add(&pool.generation, 1);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    part(&job, 0);
+    if (!spin_wait(NULL, 0, &pool.pending)) {
+        pthread_mutex_lock(&pool.lock);
+        while (atomic_load(&pool.pending) != 0) pthread_cond_wait(&pool.done, &pool.lock);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    pthread_mutex_unlock(&pool.busy);
 }
 
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
@@ -195,7 +297,8 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
             gemm(RowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
             return;
         }
-        few_rows(!tb_no, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, scratch);
+        few_rows((Job){.trans_b = !tb_no, .m = m, .n = n, .k = k, .lda = lda, .ldb = ldb, .ldc = ldc,
+                       .alpha = alpha, .beta = beta, .a = a, .b = b, .c = c, .scratch = scratch});
         free(scratch);
     } else if (m == 1) {
         /* C (1 x n, contiguous) = x op(B): x is A's one row, op(B)^T is n x k. */
