@@ -38,7 +38,7 @@ wheel_lib() {
 }
 
 # Point the BLAS and LAPACK in wheel library directory $1 at OpenBLAS, or back at netlib.
-# Prints "openblas (one-row GEMM as GEMV)", "openblas" or "netlib": what the directory now holds.
+# Prints "openblas (one-row GEMM as GEMV, 2-12-row kernels)", "openblas" or "netlib": what the directory now holds.
 point_wheel_blas() {
   local dir=$1 kind lib target shim=""
   if [ "${PARITY_NETLIB_BLAS:-0}" != 1 ] && [ -f "$blas_dir/libopenblas.so.0" ]; then
@@ -61,7 +61,7 @@ point_wheel_blas() {
   done
   lib=$(wheel_lib "$dir" blas)
   if [ -n "$shim" ] && [ "$(readlink "$lib")" = "$shim" ]; then
-    echo "openblas (one-row GEMM as GEMV)"
+    echo "openblas (one-row GEMM as GEMV, 2-12-row kernels)"
   elif [ -L "$lib" ]; then
     echo openblas
   else
