@@ -4,7 +4,8 @@
 # its RPATH; pointing those files at Debian's OpenBLAS makes f32 GEMM ~27x faster, and its
 # BLAS at ci/blas/gemv_forward.c (OpenBLAS with one-row GEMMs sent to GEMV, as OpenBLAS 0.3.27
 # and later do themselves, and products of 2 to 12 rows to a kernel of its own) makes a decode
-# step at batch 1 to 12 read its weights once instead of three times. PARITY_NETLIB_BLAS=1 restores (or keeps) the wheel's own files. Idempotent.
+# step at batch 1 to 12 read its weights once instead of three times. PARITY_NETLIB_BLAS=1
+# restores (or keeps) the wheel's own files. Idempotent.
 
 blas_dir=/usr/lib/x86_64-linux-gnu/openblas-pthread
 

@@ -10,9 +10,9 @@
  * Debian 12 has no such build and Debian 13's needs a newer glibc. This file does the same
  * forwarding. A decode step at batch 2 to 12 (and a prefill chunk of so many tokens) has the
  * same trouble with M rows: OpenBLAS still packs the whole matrix, and no BLAS call reads a
- * matrix once for several rows, so few_rows() below does (on SmolLM2's [in, out] matrices,
- * cycled cold: 2.4x OpenBLAS's rate at M = 2, 1.5x at 8, 1.4x at 12, about even at 16). Every other call, and every other BLAS
- * symbol, is OpenBLAS's.
+ * matrix once for several rows, so few_rows() below does (on SmolLM2's [in, out] matrices
+ * cycled cold, ci/blas/bench_sgemm.c: 2.5x OpenBLAS's rate at M = 2, 1.5x at 8, 1.4x at 12,
+ * even at 16). Every other call, and every other BLAS symbol, is OpenBLAS's.
  *
  * Built by ci/blas.sh, which points the mlx-cpu wheel's libblas at it (parity's MLX and
  * mlx-lm's alike, so a benchmark's two sides run the same BLAS). PARITY_GEMV_FORWARD=0 in the
