@@ -18,6 +18,11 @@ fn main() {
     if let Ok(dir) = std::env::var("DEP_MLX_LIBDIR") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
     }
+    // The CLI's jemalloc (src/main.rs) answers `mallctl` for environment::allocator, which
+    // looks it up by name as it does OpenBLAS's functions: exported, or it would not be found.
+    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
+        println!("cargo:rustc-link-arg-bins=-Wl,--export-dynamic-symbol=mallctl");
+    }
 
     let commit = match git(&["rev-parse", "--short=12", "HEAD"]) {
         Some(c) => {

@@ -27,6 +27,25 @@ fn fixture_suite_passes_and_matches_the_accepted_snapshots_byte_for_byte() {
     assert!(text(&o).contains("0 failed"), "{}", text(&o));
 }
 
+/// The Linux CLI computes on jemalloc (src/main.rs), MLX's arrays included, and every report
+/// says so: decode under glibc's malloc is 5-14% slower, so a build that lost the allocator
+/// (the dependency dropped, its symbols no longer interposing libc's for libmlx.so) would move
+/// every speed figure without a word.
+#[test]
+fn reports_name_the_malloc_the_cli_computes_on() {
+    let args = ["suites/fixtures.toml", "--checkpoint", "llama-tiny", "--scenario", "single", "--markdown", "-"];
+    let (rc, out, report) = common::run_report("cli-allocator", &args);
+    assert_eq!(rc, 0, "{out}");
+    let allocator = report.environment.allocator.as_deref();
+    if cfg!(target_os = "linux") {
+        let a = allocator.unwrap_or_else(|| panic!("no allocator in the report's environment:\n{out}"));
+        assert!(a.starts_with("jemalloc ") && a.contains("page decay") && !a.contains("Rust only"), "{a}");
+        assert!(out.contains(&format!("malloc `{a}`")), "the Markdown names it:\n{out}");
+    } else {
+        assert_eq!(allocator, None, "macOS keeps the system allocator");
+    }
+}
+
 #[test]
 fn snapshots_are_written_for_review_then_stable_once_accepted() {
     let reports = common::scratch("cli-snapshots");

@@ -200,6 +200,7 @@ fn report() -> Report {
             os: "linux".into(),
             arch: "x86_64".into(),
             blas: None,
+            allocator: None,
             mlx_enable_tf32: None,
             reference_devices: Default::default(),
         },

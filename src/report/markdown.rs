@@ -34,6 +34,9 @@ pub fn render(report: &Report) -> String {
     if let Some(blas) = &env.blas {
         let _ = write!(meta, ", BLAS {}", code(blas));
     }
+    if let Some(allocator) = &env.allocator {
+        let _ = write!(meta, ", malloc {}", code(allocator));
+    }
     // Both sides of a device parity run, and the TF32 switch that moves CUDA float32 results.
     let _ = write!(meta, "{}, {}", env.references_line(), code(&env.tf32_line()));
     if let Some(shard) = report.shard {
