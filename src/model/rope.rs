@@ -136,9 +136,8 @@ impl Rope {
     pub fn angles(&self, offsets: &Array, tokens: i32, dtype: Dtype) -> Result<Angles> {
         let half = self.dims / 2;
         let offsets = offsets.expand_dims_axes(&[-1, -2])?; // [B, 1, 1]
-        let positions = Array::arange::<_, f32>(None, tokens, None)?
-            .add(&offsets)?
-            .multiply(Array::from_f32(self.scale))?; // [B, 1, T]
+        let positions =
+            Array::arange::<_, f32>(None, tokens, None)?.add(&offsets)?.multiply(Array::from_f32(self.scale))?; // [B, 1, T]
         let inv_freqs = match &self.freqs {
             Some(periods) => periods.reciprocal()?,
             None => {
@@ -286,10 +285,14 @@ mod tests {
                     let angles = rope.angles(&offsets, tokens, dtype).unwrap();
                     let shared = rope.rotate(&x, &angles).unwrap();
                     assert_eq!(shared.dtype(), dtype);
-                    let (mlx, shared) = (mlx.as_dtype(Dtype::Float32).unwrap(), shared.as_dtype(Dtype::Float32).unwrap());
+                    let (mlx, shared) =
+                        (mlx.as_dtype(Dtype::Float32).unwrap(), shared.as_dtype(Dtype::Float32).unwrap());
                     let (mlx, shared) = (mlx.as_slice::<f32>(), shared.as_slice::<f32>());
                     let differ = mlx.iter().zip(shared).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-                    assert_eq!(differ, 0, "{extra} offsets {offsets:?} tokens {tokens} {dtype:?}: {differ} values differ");
+                    assert_eq!(
+                        differ, 0,
+                        "{extra} offsets {offsets:?} tokens {tokens} {dtype:?}: {differ} values differ"
+                    );
                 }
             }
         }

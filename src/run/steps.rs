@@ -98,7 +98,7 @@ pub(super) fn run(
     setup.scripts = suite.step_scripts();
     let rows = each_cell(cells.iter().copied(), r.filter, progress, &mut report.phases, |cell, phases| {
         let mut rows = unencoded_rows(r, cell, &prompts);
-        let reference_before = setup.reference_time();
+        let (reference_before, floor_before) = (setup.reference_time(), setup.floor_time());
         let good: Vec<Prompt> = cell.prompts.iter().filter_map(|p| prompts[p].as_ref().ok().cloned()).collect();
         if good.is_empty() {
             return rows;
@@ -136,11 +136,16 @@ pub(super) fn run(
             None => {}
         }
         setup.select(None);
-        // References are computed when a cell first needs them and reused by the later ones:
-        // their cost is its own phase, so a cell's time is what its path took.
+        // References and noise floors are computed when a cell first needs them and reused by
+        // the later ones: their costs are phases of their own, so a cell's time is what its
+        // path took.
         let reference = setup.reference_time() - reference_before;
         if !reference.is_zero() {
             phases.push(Phase { name: "reference".into(), seconds: reference.as_secs_f64() });
+        }
+        let floor = setup.floor_time() - floor_before;
+        if !floor.is_zero() {
+            phases.push(Phase { name: "noise-floor".into(), seconds: floor.as_secs_f64() });
         }
         rows
     });

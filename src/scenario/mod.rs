@@ -218,8 +218,12 @@ pub struct Setup<'r> {
     select: Option<Selector<'r>>,
     /// The suite's pinned scripts, by name (the `script` scenario).
     pub scripts: Vec<(String, Script)>,
-    /// Time spent on the reference path so far (references, streams, noise floors).
+    /// Time spent on the reference path so far computing references (prompts, streams,
+    /// prefixes).
     reference_time: Duration,
+    /// Time spent measuring noise floors, less the references they needed: the reference path
+    /// re-run next to a partner, a forward of two rows a step (as long as a batch2 row).
+    floor_time: Duration,
 }
 
 /// A token stream as the reference reads it: fixed tokens (a prompt, or a donor's rows and a
@@ -253,6 +257,7 @@ impl<'r> Setup<'r> {
             select: None,
             scripts: Vec::new(),
             reference_time: Duration::ZERO,
+            floor_time: Duration::ZERO,
         }
     }
 
@@ -271,6 +276,11 @@ impl<'r> Setup<'r> {
     /// path (its time is the caller's to add: [`add_reference_time`](Self::add_reference_time)).
     pub fn reference_session(&mut self) -> Result<Box<dyn Session + '_>> {
         self.reference.session(Faults::NONE)
+    }
+
+    /// Time spent measuring noise floors so far (see [`noise_floor`](Self::noise_floor)).
+    pub fn floor_time(&self) -> Duration {
+        self.floor_time
     }
 
     pub fn add_reference_time(&mut self, t: Duration) {
@@ -365,7 +375,9 @@ impl<'r> Setup<'r> {
             return *f;
         }
         let p = all.iter().find(|p| p.name == base)?;
+        let (started, reference_before) = (Instant::now(), self.reference_time);
         let floor = self.measure_floor(p, all).ok().flatten();
+        self.floor_time += started.elapsed().saturating_sub(self.reference_time - reference_before);
         self.floors.insert(base.to_string(), floor);
         floor
     }
