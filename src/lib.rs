@@ -63,7 +63,9 @@ pub use engine::builtin::{Builtin, BuiltinAdapter, BuiltinSession, generate};
 pub use engine::{Capabilities, EnginePath, PathInfo, Session, ShareMode, adapter, protocol};
 
 // The MLX device a process computes on, and the BLAS behind it.
-pub use environment::{DeviceChoice, blas, use_device};
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+pub use environment::compile_mlx_kernels_for_this_cpu;
+pub use environment::{DeviceChoice, blas, mlx_jit, use_device};
 
 // One scenario on one path against its reference, compared by hand.
 pub use compare::{Choice, FirstDifference, LogprobComparison, PathComparison, StepMetrics, compare, compare_logprobs};

@@ -9,5 +9,9 @@
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 fn main() -> std::process::ExitCode {
+    // SAFETY: first thing in main: nothing of this program reads the environment yet (MLX's
+    // stream threads, started by its static initialisers, wait for work and read none).
+    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+    let _ = unsafe { parity::compile_mlx_kernels_for_this_cpu() };
     parity::main()
 }

@@ -46,6 +46,70 @@ fn reports_name_the_malloc_the_cli_computes_on() {
     }
 }
 
+/// On Linux x86_64 the CLI has MLX build its fused CPU kernels for the host's ISA (SiLU 2.2x
+/// faster, src/environment.rs), in a cache of those flags' own. Guards two failures: flags that
+/// move arithmetic (`-ffp-contract=fast`, GCC's default once FMA is on, fuses MLX's separate
+/// multiply and add: Gemma's GELU and the batched rows' metrics then differ from MLX's own
+/// build, measured), and kernels built one way served to the other (MLX's cache is keyed by the
+/// kernel's name alone). Each run gets an empty cache, so every kernel is really compiled.
+#[test]
+fn mlx_kernels_built_for_this_cpu_compute_what_mlxs_own_build_computes() {
+    let run = |name: &str, baseline: bool| {
+        let dir = common::scratch(name);
+        let json = dir.join("r.json");
+        let mut c = common::command();
+        c.env("XDG_CACHE_HOME", &dir).env("TMPDIR", &dir).env_remove("PARITY_MLX_JIT");
+        if baseline {
+            c.env("PARITY_MLX_JIT", "baseline");
+        }
+        let args =
+            ["run", "suites/fixtures.toml", "--checkpoint", "gemma3-tiny,llama-tiny", "--no-snapshots", "--json"];
+        let o = c.args(args).arg(&json).output().expect("run parity");
+        assert_eq!(code(&o), 0, "{}", text(&o));
+        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("report")).unwrap();
+        let kernels =
+            |d: &std::path::Path| walk(d).into_iter().filter(|p| p.extension().is_some_and(|e| e == "so")).count();
+        (report, kernels(&dir.join("mlx")), kernels(&dir.join("parity")))
+    };
+    let (own, own_in_tmp, own_in_cache) = run("cli-jit-baseline", true);
+    let (host, host_in_tmp, host_in_cache) = run("cli-jit-host", false);
+    assert_eq!(own["environment"]["mlx_jit"], serde_json::Value::Null);
+    assert!(own_in_tmp > 0 && own_in_cache == 0, "MLX's own build caches in TMPDIR: {own_in_tmp} / {own_in_cache}");
+    let v3 = cfg!(all(target_os = "linux", target_arch = "x86_64"))
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma");
+    if v3 {
+        assert_eq!(host["environment"]["mlx_jit"], "g++ -march=x86-64-v3 -ffp-contract=off");
+        assert!(
+            host_in_cache > 0 && host_in_tmp == 0,
+            "kernels in the flags' own cache: {host_in_tmp} / {host_in_cache}"
+        );
+    }
+    let rows = |r: &serde_json::Value| -> Vec<serde_json::Value> {
+        let keep = [
+            "prompt",
+            "scenario",
+            "case",
+            "backend",
+            "verdict",
+            "tokens",
+            "step_rel_rms",
+            "step_kl",
+            "noise_floor_rel_rms",
+        ];
+        r["rows"].as_array().expect("rows").iter().map(|row| keep.iter().map(|k| row[*k].clone()).collect()).collect()
+    };
+    let (a, b) = (rows(&own), rows(&host));
+    assert!(a.len() > 100, "{} rows", a.len());
+    let differ: Vec<_> = a.iter().zip(&b).filter(|(x, y)| x != y).take(3).collect();
+    assert!(differ.is_empty() && a.len() == b.len(), "rows differ between the builds: {differ:?}");
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    entries.flatten().flat_map(|e| if e.path().is_dir() { walk(&e.path()) } else { vec![e.path()] }).collect()
+}
+
 #[test]
 fn snapshots_are_written_for_review_then_stable_once_accepted() {
     let reports = common::scratch("cli-snapshots");

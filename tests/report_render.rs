@@ -201,6 +201,7 @@ fn report() -> Report {
             arch: "x86_64".into(),
             blas: None,
             allocator: None,
+            mlx_jit: None,
             mlx_enable_tf32: None,
             reference_devices: Default::default(),
         },

@@ -99,6 +99,9 @@ pub fn run(a: Args) -> Result<ExitCode> {
     if let Some(m) = crate::environment::allocator() {
         println!("malloc {m}");
     }
+    if let Some(j) = crate::environment::mlx_jit() {
+        println!("MLX JIT {j}");
+    }
     // The mlx-lm baseline is checked before measuring: a side-by-side figure is only worth
     // printing for the same computation.
     let mlx_lm: Option<serde_json::Value> = match &a.mlx_lm {

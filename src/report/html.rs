@@ -107,13 +107,14 @@ fn header(out: &mut String, report: &Report) {
     item(
         "MLX",
         format!(
-            "{} on <b>{}</b> ({}/{}){}{}",
+            "{} on <b>{}</b> ({}/{}){}{}{}",
             esc(&env.mlx_version),
             esc(&env.device_label()),
             esc(&env.os),
             esc(&env.arch),
             env.blas.as_ref().map(|b| format!(", BLAS {}", esc(b))).unwrap_or_default(),
-            env.allocator.as_ref().map(|a| format!(", malloc {}", esc(a))).unwrap_or_default()
+            env.allocator.as_ref().map(|a| format!(", malloc {}", esc(a))).unwrap_or_default(),
+            env.mlx_jit.as_ref().map(|j| format!(", MLX JIT {}", esc(j))).unwrap_or_default()
         ),
     );
     // Both sides of a device parity run, and the TF32 switch that moves CUDA float32 results.

@@ -37,6 +37,9 @@ pub fn render(report: &Report) -> String {
     if let Some(allocator) = &env.allocator {
         let _ = write!(meta, ", malloc {}", code(allocator));
     }
+    if let Some(jit) = &env.mlx_jit {
+        let _ = write!(meta, ", MLX JIT {}", code(jit));
+    }
     // Both sides of a device parity run, and the TF32 switch that moves CUDA float32 results.
     let _ = write!(meta, "{}, {}", env.references_line(), code(&env.tf32_line()));
     if let Some(shard) = report.shard {
