@@ -300,6 +300,7 @@ pub fn allocator() -> Option<String> {
 }
 
 /// The flags [`compile_mlx_kernels_for_this_cpu`] adds to MLX's JIT command.
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
 const JIT_FLAGS: &str = "-march=x86-64-v3 -ffp-contract=off";
 /// The line of the wrapper that says what it adds: [`mlx_jit`] reads it back.
 const JIT_MARK: &str = "# parity: MLX's CPU JIT flags: ";

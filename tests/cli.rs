@@ -75,10 +75,7 @@ fn mlx_kernels_built_for_this_cpu_compute_what_mlxs_own_build_computes() {
     let (host, host_in_tmp, host_in_cache) = run("cli-jit-host", false);
     assert_eq!(own["environment"]["mlx_jit"], serde_json::Value::Null);
     assert!(own_in_tmp > 0 && own_in_cache == 0, "MLX's own build caches in TMPDIR: {own_in_tmp} / {own_in_cache}");
-    let v3 = cfg!(all(target_os = "linux", target_arch = "x86_64"))
-        && std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma");
-    if v3 {
+    if x86_64_v3() {
         assert_eq!(host["environment"]["mlx_jit"], "g++ -march=x86-64-v3 -ffp-contract=off");
         assert!(
             host_in_cache > 0 && host_in_tmp == 0,
@@ -103,6 +100,18 @@ fn mlx_kernels_built_for_this_cpu_compute_what_mlxs_own_build_computes() {
     assert!(a.len() > 100, "{} rows", a.len());
     let differ: Vec<_> = a.iter().zip(&b).filter(|(x, y)| x != y).take(3).collect();
     assert!(differ.is_empty() && a.len() == b.len(), "rows differ between the builds: {differ:?}");
+}
+
+/// Whether the CLI builds MLX's kernels for this CPU: Linux on x86-64-v3.
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+fn x86_64_v3() -> bool {
+    use std::arch::is_x86_feature_detected as has;
+    has!("avx2") && has!("fma") && has!("bmi1") && has!("bmi2") && has!("f16c") && has!("lzcnt") && has!("movbe")
+}
+
+#[cfg(not(all(target_os = "linux", target_arch = "x86_64")))]
+fn x86_64_v3() -> bool {
+    false
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
