@@ -2,8 +2,11 @@
 //! embedding (whose quantized form doubles as a tied output projection), RMSNorm (with
 //! Gemma's `1 + w` gain), gated MLP (SwiGLU, or GELU for Gemma).
 
+use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::{Array, Dtype};
+
+use super::fused::Fused;
 
 use crate::checkpoint::weights::{Expect, packed_layout};
 use crate::checkpoint::{ModelConfig, QuantSpec, Quantization, WeightStore};
@@ -372,9 +375,34 @@ impl RmsNorm {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
     /// SwiGLU (Llama, Qwen3).
-    Silu,
+    Silu = 0,
     /// GELU, tanh approximation (Gemma's `gelu_pytorch_tanh`; mlx-lm's `nn.gelu_approx`).
-    GeluTanh,
+    GeluTanh = 1,
+}
+
+thread_local! {
+    /// [`gated`] fused, one per [`Activation`] (indexed by it). Unfused it is two operations a
+    /// layer, the activation among them compiled by mlx-rs afresh, so traced afresh, on every
+    /// call.
+    static GATE: [Fused; 2] = [Activation::Silu, Activation::GeluTanh]
+        .map(|a| Fused::new(move |args: &[Array]| gated(&args[0], &args[1], a)));
+}
+
+/// `act(g) * u`, with `act` the operations of mlx-rs's `nn::silu` and `nn::gelu_approximate`
+/// in their order and dtypes (see [`super::fused`]; `tests::the_fused_gate_is_the_activation_times_up_bit_for_bit`).
+fn gated(g: &Array, u: &Array, activation: Activation) -> std::result::Result<Array, Exception> {
+    use mlx_rs::array;
+    use mlx_rs::ops::{sigmoid, sqrt, tanh};
+    let act = match activation {
+        Activation::Silu => g.multiply(sigmoid(g)?)?,
+        // 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x ** 3)))
+        Activation::GeluTanh => {
+            let cubic = g.add(array!(0.044715).multiply(g.power(&array!(3))?)?)?;
+            let inner = sqrt(&array!(2.0 / std::f32::consts::PI))?.multiply(cubic)?;
+            array!(0.5).multiply(g)?.multiply(array!(1.0).add(tanh(&inner)?)?)?
+        }
+    };
+    act.multiply(u)
 }
 
 /// Gated MLP: `down(act(gate(x)) * up(x))`, gate and up in one matmul.
@@ -416,12 +444,47 @@ impl Mlp {
             .forward(x)?
             .try_into()
             .map_err(|_| crate::error::Error::Invalid("gate/up projection did not split in two".into()))?;
-        let g = match self.activation {
-            Activation::Silu => mlx_rs::nn::silu(&g)?,
-            Activation::GeluTanh => mlx_rs::nn::gelu_approximate(&g)?,
-        };
-        let h = g.multiply(&u)?;
+        let h = GATE.with(|fused| fused[self.activation as usize].call(&[g, u]))?;
         tap("mlp_gated", &h);
         self.down.forward(&h)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Guards the fused gate against moving a bit from what every snapshot was computed with:
+    /// mlx-rs's activation, then the product, as two operations. A constant rounded otherwise,
+    /// an operation reordered or a multiply and add contracted would move every row's logits.
+    #[test]
+    fn the_fused_gate_is_the_activation_times_up_bit_for_bit() {
+        crate::environment::use_device(crate::environment::DeviceChoice::Cpu).expect("the CPU is always there");
+        for activation in [Activation::Silu, Activation::GeluTanh] {
+            for shape in [&[1, 1, 1536][..], &[2, 37, 640], &[3, 5, 7]] {
+                for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+                    let normal = || {
+                        let x = mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
+                        x.multiply(Array::from_f32(4.0)).unwrap().as_dtype(dtype).unwrap()
+                    };
+                    let (g, u) = (normal(), normal());
+                    let act = match activation {
+                        Activation::Silu => mlx_rs::nn::silu(&g).unwrap(),
+                        Activation::GeluTanh => mlx_rs::nn::gelu_approximate(&g).unwrap(),
+                    };
+                    let unfused = act.multiply(&u).unwrap();
+                    let fused = GATE.with(|f| f[activation as usize].call(&[g, u])).unwrap();
+                    assert_eq!(fused.dtype(), unfused.dtype(), "{activation:?} {shape:?} {dtype:?}");
+                    let (a, b) = (fused.as_dtype(Dtype::Float32).unwrap(), unfused.as_dtype(Dtype::Float32).unwrap());
+                    let differ = a
+                        .as_slice::<f32>()
+                        .iter()
+                        .zip(b.as_slice::<f32>())
+                        .filter(|(x, y)| x.to_bits() != y.to_bits())
+                        .count();
+                    assert_eq!(differ, 0, "{activation:?} {shape:?} {dtype:?}: {differ} values differ");
+                }
+            }
+        }
     }
 }

@@ -8,9 +8,11 @@
 //! `offsets[b] + t`); row-by-row attention calls [`Rope::apply`] on one row at a time. The
 //! planted fault `rope-batch-alias` reproduces the bug in [`Rope::apply_batch_aliased`].
 
+use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{IndexOp, IntoStrideBy};
 use mlx_rs::{Array, Dtype};
 
+use super::fused::Fused;
 use crate::checkpoint::{ModelConfig, RopeScaling};
 use crate::error::{Error, Result};
 
@@ -150,29 +152,16 @@ impl Rope {
     }
 
     /// Rotate `x` (`[B, H, T, D]`, every dimension rotated) by `angles`: MLX's rope fallback
-    /// after its angles (see [`Rope::angles`]).
+    /// after its angles (see [`Rope::angles`]), fused.
     pub fn rotate(&self, x: &Array, angles: &Angles) -> Result<Array> {
-        let [b, h, t, d] = *x.shape() else {
+        let [_, _, _, d] = *x.shape() else {
             return Err(Error::Invalid(format!("rope of a {:?} tensor, expected [B, H, T, D]", x.shape())));
         };
         if d != self.dims {
             return Err(Error::Invalid(format!("rope of {} dimensions over a head of {d}", self.dims)));
         }
-        let (x1, x2) = if self.traditional {
-            (x.index((.., .., .., (0..d).stride_by(2))), x.index((.., .., .., (1..d).stride_by(2))))
-        } else {
-            let half = d / 2;
-            (x.index((.., .., .., ..half)), x.index((.., .., .., half..)))
-        };
-        let (cos, sin) = (&angles.cos, &angles.sin);
-        let first = x1.multiply(cos)?.subtract(x2.multiply(sin)?)?;
-        let second = x1.multiply(sin)?.add(x2.multiply(cos)?)?;
-        Ok(if self.traditional {
-            let pairs = [first.expand_dims(-1)?, second.expand_dims(-1)?];
-            mlx_rs::ops::concatenate(&pairs, -1)?.reshape(&[b, h, t, d])?
-        } else {
-            mlx_rs::ops::concatenate(&[first, second], -1)?
-        })
+        let args = [x.clone(), angles.cos.clone(), angles.sin.clone()];
+        ROTATE.with(|fused| fused[self.traditional as usize].call(&args))
     }
 
     /// Planted fault `rope-batch-alias`: the whole `[B, H, 1, D]` decode tensor rotated in one
@@ -190,6 +179,37 @@ impl Rope {
             self.freqs.as_ref(),
         )?;
         Ok(rotated.transpose_axes(&[2, 1, 0, 3])?)
+    }
+}
+
+thread_local! {
+    /// [`rotation`] fused, split halves at 0 and paired dimensions at 1. Unfused it is seven
+    /// MLX operations, 60 rotations a decode step of SmolLM2.
+    static ROTATE: [Fused; 2] = [false, true].map(|traditional| {
+        Fused::new(move |args: &[Array]| rotation(&args[0], &args[1], &args[2], traditional))
+    });
+}
+
+/// MLX's rope fallback after its angles: `x` (`[B, H, T, D]`) by `cos` and `sin` (`[B, 1, T,
+/// D / 2]`). Fused (see [`super::fused`]; `tests::shared_angles_rotate_bit_for_bit_as_mlx`
+/// holds it to MLX's own rope).
+fn rotation(x: &Array, cos: &Array, sin: &Array, traditional: bool) -> std::result::Result<Array, Exception> {
+    let [b, h, t, d] = *x.shape() else {
+        return Err(Exception::custom(format!("rope of a {:?} tensor, expected [B, H, T, D]", x.shape())));
+    };
+    let (x1, x2) = if traditional {
+        (x.index((.., .., .., (0..d).stride_by(2))), x.index((.., .., .., (1..d).stride_by(2))))
+    } else {
+        let half = d / 2;
+        (x.index((.., .., .., ..half)), x.index((.., .., .., half..)))
+    };
+    let first = x1.multiply(cos)?.subtract(x2.multiply(sin)?)?;
+    let second = x1.multiply(sin)?.add(x2.multiply(cos)?)?;
+    if traditional {
+        let pairs = [first.expand_dims(-1)?, second.expand_dims(-1)?];
+        mlx_rs::ops::concatenate(&pairs, -1)?.reshape(&[b, h, t, d])
+    } else {
+        mlx_rs::ops::concatenate(&[first, second], -1)
     }
 }
 
