@@ -47,8 +47,9 @@ pub struct Args {
     /// Write results as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Measure this machine's memory read bandwidth (1 GiB, one thread and every core, best of
-    /// five) and print each row's decode as a fraction of the rate it allows.
+    /// Measure this machine's memory read bandwidth (1 GiB on transparent huge pages where the
+    /// kernel gives them, one thread and every core, best of five) and print each row's decode
+    /// as a fraction of the rate it allows.
     #[arg(long)]
     limit: bool,
     /// Also time one decode step operation by operation for every path and batch (STEPS
@@ -189,7 +190,7 @@ fn limits(rows: &[BenchRow], weight_bytes: u64) -> Result<serde_json::Value> {
         let one = bench::read_bandwidth(1 << 30, 1, 5);
         let all = bench::read_bandwidth(1 << 30, cores, 5);
         println!(
-            "memory read bandwidth (1 GiB, best of 5): {:.1} GB/s on one thread, {:.1} GB/s on {cores}; weights read a decode step {:.1} MB",
+            "memory read bandwidth (1 GiB on huge pages where the kernel gives them, best of 5): {:.1} GB/s on one thread, {:.1} GB/s on {cores}; weights read a decode step {:.1} MB",
             one / 1e9,
             all / 1e9,
             weight_bytes as f64 / 1e6
