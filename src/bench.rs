@@ -307,9 +307,15 @@ pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
 fn advise_huge_pages(v: &Vec<u64>) {
     #[cfg(target_os = "linux")]
     {
-        const PAGE: usize = 4096;
-        let start = (v.as_ptr() as usize).next_multiple_of(PAGE);
-        let end = (v.as_ptr() as usize + v.capacity() * 8) / PAGE * PAGE;
+        // The system's page, not 4 KiB: on a 16 or 64 KiB-page kernel (aarch64) a 4 KiB-aligned
+        // range is refused and the advice would be silently lost.
+        // SAFETY: sysconf reads a system constant.
+        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            p if p > 0 => p as usize,
+            _ => return,
+        };
+        let start = (v.as_ptr() as usize).next_multiple_of(page);
+        let end = (v.as_ptr() as usize + v.capacity() * 8) / page * page;
         if end > start {
             // SAFETY: the range lies inside `v`'s own allocation and is page-aligned; madvise
             // changes how its pages are backed, never their contents or the mapping.
