@@ -3,7 +3,7 @@
 # benchmark run on the same BLAS: the mlx-cpu wheel ships netlib BLAS/LAPACK, reached through
 # its RPATH; pointing those files at Debian's OpenBLAS makes f32 GEMM ~27x faster, and its
 # BLAS at ci/blas/gemv_forward.c (OpenBLAS with one-row GEMMs sent to GEMV, as OpenBLAS 0.3.27
-# and later do themselves, and products of 2 to 12 rows to a kernel of its own) makes a decode
+# and later do themselves, and products of 1 to 12 rows to kernels of its own) makes a decode
 # step at batch 1 to 12 read its weights once instead of three times. PARITY_NETLIB_BLAS=1
 # restores (or keeps) the wheel's own files. Idempotent.
 
@@ -39,7 +39,7 @@ wheel_lib() {
 }
 
 # Point the BLAS and LAPACK in wheel library directory $1 at OpenBLAS, or back at netlib.
-# Prints "openblas (one-row GEMM as GEMV, 2-12-row kernels)", "openblas" or "netlib": what the directory now holds.
+# Prints "openblas (1-12-row kernels, other one-row GEMM as GEMV)", "openblas" or "netlib": what the directory now holds.
 point_wheel_blas() {
   local dir=$1 kind lib target shim=""
   if [ "${PARITY_NETLIB_BLAS:-0}" != 1 ] && [ -f "$blas_dir/libopenblas.so.0" ]; then
@@ -62,7 +62,7 @@ point_wheel_blas() {
   done
   lib=$(wheel_lib "$dir" blas)
   if [ -n "$shim" ] && [ "$(readlink "$lib")" = "$shim" ]; then
-    echo "openblas (one-row GEMM as GEMV, 2-12-row kernels)"
+    echo "openblas (1-12-row kernels, other one-row GEMM as GEMV)"
   elif [ -L "$lib" ]; then
     echo openblas
   else

@@ -210,7 +210,7 @@ pub fn environment() -> Environment {
 
 /// OpenBLAS's configuration and the kernel it picked for this CPU (`OPENBLAS_CORETYPE`
 /// overrides it), and what ci/blas/gemv_forward.c forwards when it is in front (its
-/// label's "2-12-row GEMM" part says products of 2 to 12 rows read the weights once), or `None`
+/// label's "1-12-row GEMM" part says products of 1 to 12 rows read the weights once), or `None`
 /// when no OpenBLAS is loaded (macOS uses Accelerate).
 ///
 /// Why it is recorded: OpenBLAS 0.3.21 (Debian 12) does not know newer Xeons (family 6 model
@@ -535,27 +535,80 @@ mod tests {
         }
     }
 
-    /// With the shim loaded, a row's product does not depend on how many rows (2 to 12) share
-    /// the call: a sequence decoded next to one other gets the logits it gets next to eleven.
+    /// With the shim loaded, a row's product does not depend on how many rows share the call:
+    /// a sequence decoded next to one other gets the logits it gets next to eleven, and by
+    /// weights stored `[in, out]` (parity's) the logits it gets alone.
     #[test]
-    fn a_rows_product_is_the_same_next_to_2_to_12_rows() {
-        if !blas().is_some_and(|b| b.contains("2-12-row GEMM reading the weights once")) {
+    fn a_rows_product_is_the_same_alone_and_next_to_2_to_12_rows() {
+        if !blas().is_some_and(|b| b.contains("1-12-row GEMM reading the weights once")) {
             return;
         }
+        let rows = values(12 * 577, 5);
+        for (weights, fewest) in few_row_weights().into_iter().zip([1, 2]) {
+            let first = first_row_of(&weights, &rows, fewest);
+            for m in fewest + 1..=12 {
+                assert_eq!(first_row_of(&weights, &rows, m), first, "row 0 of a {m}-row product");
+            }
+        }
+    }
+
+    /// A 577 x 160 matrix stored `[in, out]` and the same stored `[out, in]`, multiplied
+    /// transposed (`x @ W.T`).
+    fn few_row_weights() -> [Array; 2] {
         let (k, n) = (577, 160);
         let w = Array::from_slice(&values(n * k, 3), &[k as i32, n as i32]);
-        let rows = values(12 * k, 5);
-        for weights in [w.clone(), w.reshape(&[n as i32, k as i32]).unwrap().transpose().unwrap()] {
-            let first_row = |m: usize| {
-                let x = Array::from_slice(&rows[..m * k], &[m as i32, k as i32]);
-                let y = x.matmul(&weights).unwrap().index(0);
-                y.eval().unwrap();
-                y.as_slice::<f32>().to_vec()
-            };
-            let two = first_row(2);
-            for m in 3..=12 {
-                assert_eq!(first_row(m), two, "row 0 of a {m}-row product");
+        let wt = w.reshape(&[n as i32, k as i32]).unwrap().transpose().unwrap();
+        [w, wt]
+    }
+
+    /// Row 0 of the product of the first `m` of `rows` by `weights`, as bits.
+    fn first_row_of(weights: &Array, rows: &[f32], m: usize) -> Vec<u32> {
+        let k = weights.shape()[0] as usize;
+        let x = Array::from_slice(&rows[..m * k], &[m as i32, k as i32]);
+        let y = x.matmul(weights).unwrap().index(0);
+        y.eval().unwrap();
+        y.as_slice::<f32>().iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The shim's sums do not depend on how many threads it runs: a K-split product cuts K in
+    /// runs fixed by K alone and adds them in one order whichever thread computed each, so a
+    /// row's logits are the same on a 2-core CI runner and a 16-core workstation. Each thread
+    /// count runs in its own child (the shim's pool is sized once, from
+    /// `OPENBLAS_NUM_THREADS`, when it starts); a split tied to the thread count fails here.
+    #[test]
+    fn a_rows_product_is_the_same_on_1_2_and_4_threads() {
+        const DUMP: &str = "PARITY_TEST_PRODUCT_BITS";
+        let rows = values(12 * 577, 5);
+        if std::env::var_os(DUMP).is_some() {
+            for weights in few_row_weights() {
+                for m in [1, 2, 12] {
+                    println!("{DUMP} {m} {:?}", first_row_of(&weights, &rows, m));
+                }
             }
+            return;
+        }
+        if !blas().is_some_and(|b| b.contains("1-12-row GEMM reading the weights once")) {
+            return;
+        }
+        let exe = std::env::current_exe().expect("the test binary");
+        let name = "environment::tests::a_rows_product_is_the_same_on_1_2_and_4_threads";
+        let dump = |threads: u32| -> Vec<String> {
+            let out = std::process::Command::new(&exe)
+                .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+                .env(DUMP, "1")
+                .env("OPENBLAS_NUM_THREADS", threads.to_string())
+                .output()
+                .expect("the test binary runs");
+            assert!(out.status.success(), "{threads} threads: {}", String::from_utf8_lossy(&out.stderr));
+            // libtest's own "test ... " may precede the first line.
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let lines: Vec<String> = stdout.lines().filter_map(|l| l.find(DUMP).map(|at| l[at..].to_string())).collect();
+            assert_eq!(lines.len(), 6, "{threads} threads printed {} products", lines.len());
+            lines
+        };
+        let one = dump(1);
+        for threads in [2, 4] {
+            assert_eq!(dump(threads), one, "products on {threads} threads against one");
         }
     }
 

@@ -12,7 +12,9 @@
  * same trouble with M rows: OpenBLAS still packs the whole matrix, and no BLAS call reads a
  * matrix once for several rows, so few_rows() below does (on SmolLM2's [in, out] matrices
  * cycled cold, ci/blas/bench_sgemm.c: 2.5x OpenBLAS's rate at M = 2, 1.5x at 8, 1.4x at 12,
- * even at 16). Every other call, and every other BLAS symbol, is OpenBLAS's.
+ * even at 16). By weights stored [in, out] (parity's) it takes one row too, split along K, and
+ * while the caller runs the operations between two products a worker prefetches the next
+ * matrix (see record_next). Every other call, and every other BLAS symbol, is OpenBLAS's.
  *
  * Built by ci/blas.sh, which points the mlx-cpu wheel's libblas at it (parity's MLX and
  * mlx-lm's alike, so a benchmark's two sides run the same BLAS). PARITY_GEMV_FORWARD=0 in the
@@ -55,8 +57,10 @@ int parity_gemv_forward(void) {
 /* What a report's environment says of this file (src/environment.rs and ci/bench_mlx_lm.py
  * read it): a baseline measured with other forwarding is refused against this one. */
 const char *parity_blas_shim(void) {
-    return parity_gemv_forward() ? "one-row GEMM as GEMV, 2-12-row GEMM reading the weights once"
-                                 : "GEMM forwarding off";
+    return parity_gemv_forward()
+               ? "1-12-row GEMM reading the weights once, split K in 8 runs by [in, out] weights and prefetched, "
+                 "other one-row GEMM as GEMV"
+               : "GEMM forwarding off";
 }
 
 /* y = alpha * op(A) x + beta * y, with op(A) rows x cols. beta == 0 must not read y (GEMM
@@ -77,39 +81,41 @@ static void gemv(int trans_a, int rows, int cols, float alpha, const float *a, i
  * size, and forwarding them made batch-32 decode slower. Weight matrices are all above it. */
 enum { MinForwardElements = 65536 };
 
-/* Products of 2 to MaxFewRows rows by a weight matrix of at least MinForwardElements: each
- * thread takes a run of the output's columns and reads its part of the weights once for every
- * row. A row's sums do not depend on how many rows share the call: every output element is
- * summed over K in one order whatever the number of rows, so a sequence decoded next to one
- * other gets the logits it gets next to eleven. */
-enum { MaxFewRows = 12, KBlock = 16 };
+/* Products of up to MaxFewRows rows by a weight matrix of at least MinForwardElements read the
+ * weights once for every row. A row's sums do not depend on how many rows share the call: every
+ * output element is summed over K in one order whatever the number of rows, so a sequence
+ * decoded next to one other gets the logits it gets next to eleven (and, with the weights
+ * stored [in, out], the logits it gets alone). */
+enum { MaxFewRows = 12, KRows = 4 };
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
-/* acc (m x [j0, j1), ldacc, column j0 at acc[0]) = A B over B's rows stored [k][n]: B is
- * streamed KBlock rows at a time (as many sequential reads) and each element of acc gets its
- * products in k's order, added one by one. */
-static inline __attribute__((always_inline)) void nn_columns(int m, int k, const float *a, int lda, const float *b,
-                                                             int ldb, float *acc, int ldacc, int j0, int j1) {
-    for (int k0 = 0; k0 < k; k0 += KBlock) {
-        int kb = k - k0 < KBlock ? k - k0 : KBlock;
-        int j = j0;
-        for (; j + 16 <= j1; j += 16) {
-            v16 bv[KBlock] = {{0}};
-            for (int r = 0; r < KBlock; r++)
+/* acc (m x n) = A B over a run of B's rows stored [k][n], KRows rows at a time: the thread
+ * streams KRows whole rows at once, and each element of acc gets its products in k's order,
+ * added one by one, so its sum does not depend on how many rows A has. (Sixteen rows at a
+ * time, over a thread's share of the columns, read the o and down matrices at 13-17 GB/s
+ * inside a decode step; four whole rows read them at 21-27.) */
+static inline __attribute__((always_inline)) void nn_run(int m, int k, const float *a, int lda, const float *b,
+                                                          int ldb, float *acc, int n) {
+    for (int k0 = 0; k0 < k; k0 += KRows) {
+        int kb = k - k0 < KRows ? k - k0 : KRows;
+        int j = 0;
+        for (; j + 16 <= n; j += 16) {
+            v16 bv[KRows] = {{0}};
+            for (int r = 0; r < KRows; r++)
                 if (r < kb) memcpy(&bv[r], b + (long)(k0 + r) * ldb + j, sizeof(v16));
             for (int i = 0; i < m; i++) {
-                float *out = acc + (long)i * ldacc + (j - j0);
+                float *out = acc + (long)i * n + j;
                 const float *ai = a + (long)i * lda + k0;
                 v16 c = {0};
                 if (k0 > 0) memcpy(&c, out, sizeof c);
-                for (int r = 0; r < KBlock; r++)
+                for (int r = 0; r < KRows; r++)
                     if (r < kb) c += ai[r] * bv[r];
                 memcpy(out, &c, sizeof c);
             }
         }
-        for (; j < j1; j++)
+        for (; j < n; j++)
             for (int i = 0; i < m; i++) {
-                float *out = acc + (long)i * ldacc + (j - j0);
+                float *out = acc + (long)i * n + j;
                 float c = k0 > 0 ? *out : 0.0f;
                 for (int r = 0; r < kb; r++) c += a[(long)i * lda + k0 + r] * b[(long)(k0 + r) * ldb + j];
                 *out = c;
@@ -142,28 +148,52 @@ static inline __attribute__((always_inline)) void nt_columns(int m, int k, const
     }
 }
 
+/* Products of 1 to MaxFewRows rows by a matrix stored [k][n] (parity's [in, out] weights) are
+ * split along K, not the columns: K is cut into KChunks runs of whole rows (multiples of 16,
+ * fixed by k alone), each summed from zero in k's order into a partial output, and the
+ * partials are added in run order. Threads take whole runs, so each streams whole rows:
+ * splitting the columns left each of two threads a 1152-byte piece of every 2304-byte row of
+ * SmolLM2's o and down matrices. The runs depend on neither the thread count nor m, so a row's
+ * sums are the same on any number of cores and next to 0 to 11 other rows. */
+enum { KChunks = 8 };
+static int chunk_start(int k, int c) { return c == KChunks ? k : (int)((long)k * c / KChunks) / 16 * 16; }
+
 /* C (m x n, ldc) = alpha A op(B) + beta C, A's rows contiguous; `scratch` (m x n) holds the
- * sums when beta != 0 (beta == 0 must not read C, see gemv above: then C itself holds them). */
+ * sums when beta != 0 (beta == 0 must not read C, see gemv above: then C itself holds them).
+ * With `partials` (KChunks x m x n), the job is split K as above: parts fill the partials and
+ * the caller adds them. */
 typedef struct {
-    int trans_b, m, n, k, lda, ldb, ldc, parts;
+    int m, n, k, lda, ldb, ldc, parts;
     float alpha, beta;
     const float *a, *b;
-    float *c, *scratch;
+    float *c, *scratch, *partials;
+    /* A K-split job's runs are claimed, not dealt: the caller takes them from the front, the
+     * workers from the back, each run once (`claimed`, a bit a run), so a worker that finds
+     * its runs already in cache finishes them and takes more. */
+    atomic_int *front, *back;
+    atomic_uint *claimed;
 } Job;
 
-/* Part `t` of `parts` of a job: a run of the output's columns, a multiple of 16 wide. Compiled
- * for AVX-512, AVX2 + FMA and the baseline, chosen at load by the CPU; a column's sums are the
- * same whichever part computes it. */
+/* Part `t` of `parts` of a job (0 is the caller's): of a K-split job, the runs it claims; of
+ * another, a run of the output's columns, a multiple of 16 wide. Compiled for AVX-512, AVX2 +
+ * FMA and the baseline, chosen at load by the CPU; a sum is the same whichever part computes
+ * it. */
 __attribute__((target_clones("avx512f", "arch=haswell", "default"))) static void part(const Job *j, int t) {
+    if (j->partials)
+        for (;;) {
+            int c = t == 0 ? atomic_fetch_add(j->front, 1) : atomic_fetch_sub(j->back, 1);
+            if (c < 0 || c >= KChunks || (atomic_fetch_or(j->claimed, 1u << c) & (1u << c))) return;
+            int k0 = chunk_start(j->k, c), k1 = chunk_start(j->k, c + 1);
+            if (k1 > k0)
+                nn_run(j->m, k1 - k0, j->a + k0, j->lda, j->b + (long)k0 * j->ldb, j->ldb,
+                       j->partials + (long)c * j->m * j->n, j->n);
+        }
     int per = ((j->n + j->parts - 1) / j->parts + 15) & ~15;
     int j0 = t * per < j->n ? t * per : j->n, j1 = j0 + per < j->n ? j0 + per : j->n;
     int width = j1 - j0, ldacc = j->scratch ? j->n : j->ldc;
     float *acc = (j->scratch ? j->scratch : j->c) + j0;
     if (width <= 0) return;
-    if (j->trans_b)
-        nt_columns(j->m, j->k, j->a, j->lda, j->b, j->ldb, acc, ldacc, j0, j1);
-    else
-        nn_columns(j->m, j->k, j->a, j->lda, j->b, j->ldb, acc, ldacc, j0, j1);
+    nt_columns(j->m, j->k, j->a, j->lda, j->b, j->ldb, acc, ldacc, j0, j1);
     for (int i = 0; i < j->m; i++)
         for (int q = 0; q < width; q++) {
             float *o = j->c + (long)i * j->ldc + j0 + q;
@@ -207,6 +237,35 @@ static struct {
           .busy = PTHREAD_MUTEX_INITIALIZER};
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 
+/* Which weight matrix followed which in K-split calls: a decode step multiplies by the same
+ * matrices in the same order every step, so while the caller's thread runs the small operations
+ * between two products (norms, RoPE, attention: a quarter of a batch-1 step, with the memory
+ * bus idle), a worker pulls the back runs of the next matrix into its cache. Only prefetch
+ * instructions touch it: they never fault, so a stale entry (a matrix since freed) costs
+ * nothing, and no sum changes. */
+enum { NextSlots = 1024, PrefetchBytes = 3 << 19 };
+static struct {
+    _Atomic(const float *) from, to;
+    atomic_int k, n, ldb;
+} next_of[NextSlots];
+static _Thread_local const float *last_b;
+
+static unsigned slot_of(const float *b) { return (unsigned)(((unsigned long)b >> 6) * 2654435761u) % NextSlots; }
+
+static void record_next(const Job *j) {
+    if (last_b && last_b != j->b) {
+        unsigned s = slot_of(last_b);
+        atomic_store_explicit(&next_of[s].from, last_b, memory_order_relaxed);
+        atomic_store_explicit(&next_of[s].to, j->b, memory_order_relaxed);
+        atomic_store_explicit(&next_of[s].k, j->k, memory_order_relaxed);
+        atomic_store_explicit(&next_of[s].n, j->n, memory_order_relaxed);
+        atomic_store_explicit(&next_of[s].ldb, j->ldb, memory_order_relaxed);
+    }
+    last_b = j->b;
+}
+
+static void prefetch_after(const float *b, unsigned seen);
+
 static void *worker(void *arg) {
     int id = (int)(long)arg;
     unsigned seen = 0;
@@ -219,14 +278,35 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&pool.lock);
         }
         seen = g;
+        const float *b = pool.job.partials ? pool.job.b : NULL;
         if (id < pool.job.parts) part(&pool.job, id);
         if (atomic_fetch_sub(&pool.pending, 1) == 1) {
             pthread_mutex_lock(&pool.lock);
             pthread_cond_signal(&pool.done);
             pthread_mutex_unlock(&pool.lock);
         }
+        if (b && id == 1) prefetch_after(b, seen);
     }
     return NULL;
+}
+
+static void prefetch_after(const float *b, unsigned seen) {
+    unsigned s = slot_of(b);
+    if (atomic_load_explicit(&next_of[s].from, memory_order_relaxed) != b) return;
+    const float *to = atomic_load_explicit(&next_of[s].to, memory_order_relaxed);
+    int k = atomic_load_explicit(&next_of[s].k, memory_order_relaxed);
+    int n = atomic_load_explicit(&next_of[s].n, memory_order_relaxed);
+    int ldb = atomic_load_explicit(&next_of[s].ldb, memory_order_relaxed);
+    long budget = PrefetchBytes;
+    for (int c = KChunks - 1; c >= 0 && budget > 0; c--) {
+        int k0 = chunk_start(k, c), k1 = chunk_start(k, c + 1);
+        for (int r = k1 - 1; r >= k0 && budget > 0; r--) {
+            if (atomic_load_explicit(&pool.generation, memory_order_relaxed) != seen) return;
+            const char *row = (const char *)(to + (long)r * ldb);
+            for (long q = 0; q < (long)n * 4; q += 64) __builtin_prefetch(row + q, 0, 2);
+            budget -= (long)n * 4;
+        }
+    }
 }
 
 static void start_pool(void) {
@@ -243,10 +323,30 @@ static void start_pool(void) {
     }
 }
 
-static void few_rows(Job job) {
+/* The output of a K-split job: its partials added in run order (a run too short to hold a
+ * block of rows is empty, the same on every machine, and skipped). */
+__attribute__((target_clones("avx512f", "arch=haswell", "default"))) static void add_partials(const Job *j) {
+    long mn = (long)j->m * j->n;
+    int used[KChunks], nused = 0;
+    for (int c = 0; c < KChunks; c++)
+        if (chunk_start(j->k, c + 1) > chunk_start(j->k, c)) used[nused++] = c;
+    for (int i = 0; i < j->m; i++) {
+        float *o = j->c + (long)i * j->ldc;
+        const float *p = j->partials + (long)i * j->n;
+        for (int q = 0; q < j->n; q++) {
+            float s = p[used[0] * mn + q];
+            for (int u = 1; u < nused; u++) s += p[used[u] * mn + q];
+            o[q] = j->beta == 0.0f ? j->alpha * s : j->alpha * s + j->beta * o[q];
+        }
+    }
+}
+
+/* Every part of `job`, the caller's thread taking part 0 and the pool's workers the rest. */
+static void run_parts(Job job) {
     pthread_once(&pool_once, start_pool);
-    /* Each part 64 columns or more: waking a thread costs more than a few columns' weights. */
-    int most = job.n / 64 > 1 ? job.n / 64 : 1;
+    /* Each part 64 columns or more (or a run of K): waking a thread costs more than a few
+     * columns' weights. */
+    int most = job.partials ? KChunks : job.n / 64 > 1 ? job.n / 64 : 1;
     job.parts = pool.workers + 1 < most ? pool.workers + 1 : most;
     if (job.parts == 1 || getpid() != pool.owner || pthread_mutex_trylock(&pool.busy) != 0) {
         for (int t = 0; t < job.parts; t++) part(&job, t);
@@ -267,6 +367,17 @@ static void few_rows(Job job) {
         pthread_mutex_unlock(&pool.lock);
     }
     pthread_mutex_unlock(&pool.busy);
+}
+
+static void few_rows(Job job) {
+    atomic_int front = 0, back = KChunks - 1;
+    atomic_uint claimed = 0;
+    if (job.partials) {
+        job.front = &front, job.back = &back, job.claimed = &claimed;
+        record_next(&job);
+    }
+    run_parts(job);
+    if (job.partials) add_partials(&job);
 }
 
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
@@ -291,13 +402,24 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
         gemm(RowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
         return;
     }
-    if (m > 1 && n > 1) {
+    if (tb_no && ta_no && m <= MaxFewRows && n > 1) {
+        float *partials = malloc(sizeof(float) * KChunks * (size_t)m * (size_t)n);
+        if (!partials) {
+            gemm(RowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+            return;
+        }
+        few_rows((Job){.m = m, .n = n, .k = k, .lda = lda, .ldb = ldb, .ldc = ldc, .alpha = alpha, .beta = beta,
+                       .a = a, .b = b, .c = c, .partials = partials});
+        free(partials);
+    } else if (m > 1 && n > 1) {
+        /* 2 to 12 rows by weights stored [out, in] (mlx-lm's): each output column is a dot
+         * product of two contiguous rows, so splitting the columns streams whole rows. */
         float *scratch = beta != 0.0f ? malloc(sizeof(float) * (size_t)m * (size_t)n) : NULL;
         if (beta != 0.0f && !scratch) {
             gemm(RowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
             return;
         }
-        few_rows((Job){.trans_b = !tb_no, .m = m, .n = n, .k = k, .lda = lda, .ldb = ldb, .ldc = ldc,
+        few_rows((Job){.m = m, .n = n, .k = k, .lda = lda, .ldb = ldb, .ldc = ldc,
                        .alpha = alpha, .beta = beta, .a = a, .b = b, .c = c, .scratch = scratch});
         free(scratch);
     } else if (m == 1) {
