@@ -179,15 +179,15 @@ typedef struct {
  * FMA and the baseline, chosen at load by the CPU; a sum is the same whichever part computes
  * it. */
 __attribute__((target_clones("avx512f", "arch=haswell", "default"))) static void part(const Job *j, int t) {
-    if (j->partials)
-        for (;;) {
-            int c = t == 0 ? atomic_fetch_add(j->front, 1) : atomic_fetch_sub(j->back, 1);
-            if (c < 0 || c >= KChunks || (atomic_fetch_or(j->claimed, 1u << c) & (1u << c))) return;
-            int k0 = chunk_start(j->k, c), k1 = chunk_start(j->k, c + 1);
-            if (k1 > k0)
-                nn_run(j->m, k1 - k0, j->a + k0, j->lda, j->b + (long)k0 * j->ldb, j->ldb,
-                       j->partials + (long)c * j->m * j->n, j->n);
-        }
+    /* A side stops at the first run the other side claimed: past it, all are the other's. */
+    while (j->partials) {
+        int c = t == 0 ? atomic_fetch_add(j->front, 1) : atomic_fetch_sub(j->back, 1);
+        if (c < 0 || c >= KChunks || (atomic_fetch_or(j->claimed, 1u << c) & (1u << c))) return;
+        int k0 = chunk_start(j->k, c), k1 = chunk_start(j->k, c + 1);
+        if (k1 > k0)
+            nn_run(j->m, k1 - k0, j->a + k0, j->lda, j->b + (long)k0 * j->ldb, j->ldb,
+                   j->partials + (long)c * j->m * j->n, j->n);
+    }
     int per = ((j->n + j->parts - 1) / j->parts + 15) & ~15;
     int j0 = t * per < j->n ? t * per : j->n, j1 = j0 + per < j->n ? j0 + per : j->n;
     int width = j1 - j0, ldacc = j->scratch ? j->n : j->ldc;
