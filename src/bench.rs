@@ -451,7 +451,7 @@ pub fn profile(
     }
     let mut ops: Vec<OpCost> = Vec::new();
     let mut timed = 0.0;
-    let bytes = model.matmul_bytes();
+    let bytes = model.matmul_bytes(batch);
     for _ in 0..steps {
         let rows: Vec<RowStep> = seqs.iter().zip(host(&next)?).map(|(&s, id)| RowStep::new(s, vec![id])).collect();
         let taps = Taps::timed();

@@ -26,6 +26,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,11 +57,13 @@ int parity_gemv_forward(void) {
 
 /* What a report's environment says of this file (src/environment.rs and ci/bench_mlx_lm.py
  * read it): a baseline measured with other forwarding is refused against this one. */
+static int parity_twins_on(void);
 const char *parity_blas_shim(void) {
-    return parity_gemv_forward()
-               ? "1-12-row GEMM reading the weights once, split K in 8 runs by [in, out] weights and prefetched, "
-                 "other one-row GEMM as GEMV"
-               : "GEMM forwarding off";
+    if (!parity_gemv_forward()) return "GEMM forwarding off";
+    return parity_twins_on() ? "1-12-row GEMM reading the weights once, split K in 8 runs by [in, out] weights and "
+                               "prefetched, dequantized weights read from packed twins, other one-row GEMM as GEMV"
+                             : "1-12-row GEMM reading the weights once, split K in 8 runs by [in, out] weights and "
+                               "prefetched, packed twins off, other one-row GEMM as GEMV";
 }
 
 /* y = alpha * op(A) x + beta * y, with op(A) rows x cols. beta == 0 must not read y (GEMM
@@ -148,6 +151,343 @@ static inline __attribute__((always_inline)) void nt_columns(int m, int k, const
     }
 }
 
+/* Packed twins. A checkpoint quantized to a few bits and dequantized at load (parity computes in
+ * float32: MLX's CPU quantized matmul runs on one thread) has every float32 weight equal to
+ * scale * q + bias for a small integer q. A decode step at batch 1 reads all of those floats;
+ * the packed form is 5 to 6 bits a weight, not 32. parity registers the packed form of such a
+ * matrix as the matrix's twin (parity_twin_packed), and a K-split product by the matrix then
+ * reads the twin and computes every weight in registers. Each weight comes out the float it
+ * stands for (registration compares every one of them, bit for bit, with the float32 matrix,
+ * and refuses a twin that differs in any), and each sum is the same float sequence in the same
+ * order as nn_run's, so a product's bits do not change: only the bytes read do.
+ *
+ * Layout: the packed words transposed to [k / per_word][n] (per_word = 32 / bits weights of
+ * one column a word) and scales and biases to [k / group][n], so a run of K rows is read as
+ * contiguous rows, as nn_run reads the float32 matrix. */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef unsigned u8v __attribute__((vector_size(32), aligned(4)));
+typedef int i8v __attribute__((vector_size(32), aligned(4)));
+typedef struct {
+    const float *b; /* the float32 matrix [k][n] this twin stands for: the key */
+    int k, n, group, bits;
+    uint32_t *words;
+    float *scales, *biases;
+    atomic_int users; /* calls reading the twin now: dropping it waits for them */
+} Twin;
+
+/* Up to this many rows read a twin; more read the float32 matrix, whose products are then
+ * bound by arithmetic, not by the bytes read, and computing each weight again for every group
+ * of rows would cost more than it saves (see docs/benchmarks.md). */
+enum { TwinMaxRows = 2 };
+
+/* Weight `s` of each of 8 columns' `word`: the products and the check below both compute it
+ * here, so what the check compares is what the products multiply. (A macro: a function taking
+ * or returning AVX vectors is not one ABI across the clones.) */
+#define TWIN_WEIGHT(BITS, word, s, sc, bi)                                                                        \
+    ((sc) * __builtin_convertvector((i8v)(((word) >> (unsigned)((BITS) * (s))) & ((1u << (BITS)) - 1)), v8) + (bi))
+
+/* The weight at row k, column j, for columns past the last whole 8. */
+static inline __attribute__((always_inline)) float twin_weight1(const Twin *t, int k, int j) {
+    int per = 32 / t->bits;
+    unsigned word = t->words[(long)(k / per) * t->n + j];
+    float q = (float)(int)((word >> (unsigned)(t->bits * (k % per))) & ((1u << t->bits) - 1));
+    return t->scales[(long)(k / t->group) * t->n + j] * q + t->biases[(long)(k / t->group) * t->n + j];
+}
+
+/* acc (M x n) = A B over B's rows [k0, k1), for M of 1 to TwinMaxRows, B read from its twin a
+ * word's rows at a time (per_word rows of B), every column of them, as nn_run reads KRows rows
+ * of floats: the twin is read in a few sequential streams. (Going down a block of columns
+ * through all of a run's rows instead jumps a twin row ahead each word, a stream for every row,
+ * more than the prefetchers follow: half the speed.) Each weight is computed in registers and
+ * used for every row of A at once; each output element is summed from zero in k's order, one
+ * product at a time, exactly as nn_run sums it. k0 and k1 are multiples of the weights a word
+ * holds (runs start at multiples of 16, and a twin's k is one), and a word never spans two
+ * groups. */
+static inline __attribute__((always_inline)) void twin_rows(const int M, const int BITS, int k0, int k1,
+                                                             const float *a, int lda, const Twin *t, float *acc,
+                                                             int n) {
+    const int per = 32 / BITS;
+    int whole = n / 8 * 8;
+    for (int k = k0; k < k1; k += per) {
+        const uint32_t *words = t->words + (long)(k / per) * n;
+        const float *scales = t->scales + (long)(k / t->group) * n, *biases = t->biases + (scales - t->scales);
+        float x[TwinMaxRows][32];
+        for (int i = 0; i < M; i++)
+            for (int s = 0; s < per; s++) x[i][s] = a[(long)i * lda + k + s];
+        for (int j = 0; j < whole; j += 8) {
+            u8v word;
+            v8 sc, bi, c[TwinMaxRows] = {{0}};
+            memcpy(&word, words + j, sizeof word);
+            memcpy(&sc, scales + j, sizeof sc);
+            memcpy(&bi, biases + j, sizeof bi);
+            if (k > k0)
+                for (int i = 0; i < M; i++) memcpy(&c[i], acc + (long)i * n + j, sizeof c[i]);
+#pragma GCC unroll 16
+            for (int s = 0; s < per; s++) {
+                v8 w = TWIN_WEIGHT(BITS, word, s, sc, bi);
+#pragma GCC unroll 4
+                for (int i = 0; i < M; i++) c[i] += x[i][s] * w;
+            }
+            for (int i = 0; i < M; i++) memcpy(acc + (long)i * n + j, &c[i], sizeof c[i]);
+        }
+        for (int j = whole; j < n; j++)
+            for (int i = 0; i < M; i++) {
+                float c = k > k0 ? acc[(long)i * n + j] : 0.0f;
+                for (int s = 0; s < per; s++) c += x[i][s] * twin_weight1(t, k + s, j);
+                acc[(long)i * n + j] = c;
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void nn_run_twin_bits(const int BITS, int m, int k0, int k1,
+                                                                    const float *a, int lda, const Twin *t,
+                                                                    float *acc, int n) {
+    if (m == 1)
+        twin_rows(1, BITS, k0, k1, a, lda, t, acc, n);
+    else
+        twin_rows(2, BITS, k0, k1, a, lda, t, acc, n);
+}
+
+/* acc (m x n, m <= TwinMaxRows) = A B over B's rows [k0, k1), B read from its twin. */
+static inline __attribute__((always_inline)) void nn_run_twin(int m, int k0, int k1, const float *a, int lda,
+                                                               const Twin *t, float *acc, int n) {
+    switch (t->bits) {
+    case 2: nn_run_twin_bits(2, m, k0, k1, a, lda, t, acc, n); break;
+    case 4: nn_run_twin_bits(4, m, k0, k1, a, lda, t, acc, n); break;
+    default: nn_run_twin_bits(8, m, k0, k1, a, lda, t, acc, n); break;
+    }
+}
+
+static inline __attribute__((always_inline)) int twin_matches_bits(const int BITS, const Twin *t) {
+    const int per = 32 / BITS;
+    int j = 0;
+    for (; j + 8 <= t->n; j += 8)
+        for (int k = 0; k < t->k; k += per) {
+            u8v word;
+            v8 sc, bi;
+            memcpy(&word, t->words + (long)(k / per) * t->n + j, sizeof word);
+            memcpy(&sc, t->scales + (long)(k / t->group) * t->n + j, sizeof sc);
+            memcpy(&bi, t->biases + (long)(k / t->group) * t->n + j, sizeof bi);
+            for (int s = 0; s < per; s++) {
+                v8 w = TWIN_WEIGHT(BITS, word, s, sc, bi);
+                if (memcmp(&w, t->b + (long)(k + s) * t->n + j, sizeof w)) return 0;
+            }
+        }
+    for (; j < t->n; j++)
+        for (int k = 0; k < t->k; k++) {
+            float v = twin_weight1(t, k, j);
+            if (memcmp(&v, t->b + (long)k * t->n + j, sizeof v)) return 0;
+        }
+    return 1;
+}
+
+/* Whether every weight of the twin is the float32 matrix's, bit for bit, computed by the code
+ * the products run (compiled for the same CPU). */
+__attribute__((target_clones("avx512f", "arch=haswell", "default"))) static int twin_matches(const Twin *t) {
+    switch (t->bits) {
+    case 2: return twin_matches_bits(2, t);
+    case 4: return twin_matches_bits(4, t);
+    default: return twin_matches_bits(8, t);
+    }
+}
+
+/* Twins by their float32 matrix: open addressing, looked up without a lock by every product,
+ * changed under `twins_lock` at load and drop. A dropped entry becomes `Gone`, so later keys
+ * of its probe chain are still found. */
+enum { TwinSlots = 4096 };
+static Twin gone;
+#define Gone (&gone)
+static _Atomic(Twin *) twins[TwinSlots];
+static pthread_mutex_t twins_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int twins_live;
+
+static unsigned twin_slot(const float *b) { return (unsigned)(((unsigned long)b >> 6) * 2654435761u) % TwinSlots; }
+
+/* The twin of `b` as a [k][n] matrix with rows n apart, held for a call (twin_release after),
+ * or NULL. */
+static Twin *twin_acquire(const float *b, int k, int n, int ldb) {
+    if (!atomic_load_explicit(&twins_live, memory_order_relaxed) || ldb != n) return NULL;
+    /* k == n == 0: whatever its shape (a question, not a product). */
+    int any = k == 0 && n == 0;
+    unsigned s = twin_slot(b);
+    for (unsigned i = 0; i < TwinSlots; i++) {
+        Twin *t = atomic_load(&twins[(s + i) % TwinSlots]);
+        if (!t) return NULL;
+        if (t == Gone || t->b != b) continue;
+        if (!any && (t->k != k || t->n != n)) return NULL;
+        atomic_fetch_add(&t->users, 1);
+        /* Dropped between the load and the count: not ours to read. */
+        if (atomic_load(&twins[(s + i) % TwinSlots]) != t) {
+            atomic_fetch_sub(&t->users, 1);
+            return NULL;
+        }
+        return t;
+    }
+    return NULL;
+}
+
+static void twin_release(Twin *t) {
+    if (t) atomic_fetch_sub(&t->users, 1);
+}
+
+static void twin_free(Twin *t) {
+    if (!t) return;
+    free(t->words);
+    free(t->scales);
+    free(t->biases);
+    free(t);
+}
+
+static Twin *twin_alloc(const float *b, int k, int n, int group, int bits) {
+    if (k <= 0 || n <= 0 || !(bits == 2 || bits == 4 || bits == 8) || group <= 0 || group % (32 / bits) ||
+        k % group || k % 16)
+        return NULL;
+    Twin *t = calloc(1, sizeof *t);
+    if (!t) return NULL;
+    *t = (Twin){.b = b, .k = k, .n = n, .group = group, .bits = bits};
+    t->words = malloc(sizeof(uint32_t) * (size_t)(k / (32 / bits)) * (size_t)n);
+    t->scales = malloc(sizeof(float) * (size_t)(k / group) * (size_t)n);
+    t->biases = malloc(sizeof(float) * (size_t)(k / group) * (size_t)n);
+    if (!t->words || !t->scales || !t->biases) {
+        twin_free(t);
+        return NULL;
+    }
+    return t;
+}
+
+/* Verify `t` and publish it; on any refusal it is freed. Returns 1 when published. */
+static int twin_publish(Twin *t) {
+    if (!twin_matches(t)) {
+        twin_free(t);
+        return 0;
+    }
+    pthread_mutex_lock(&twins_lock);
+    unsigned s = twin_slot(t->b);
+    int done = 0;
+    for (unsigned i = 0; i < TwinSlots && !done; i++) {
+        Twin *old = atomic_load(&twins[(s + i) % TwinSlots]);
+        if (old && old != Gone && old->b == t->b) break; /* one twin a matrix: the first stays */
+        if (!old || old == Gone) {
+            atomic_store(&twins[(s + i) % TwinSlots], t);
+            atomic_fetch_add(&twins_live, 1);
+            done = 1;
+        }
+    }
+    pthread_mutex_unlock(&twins_lock);
+    if (!done) twin_free(t);
+    return done;
+}
+
+/* 1 unless PARITY_PACKED_TWINS=0 (read once): with 0 no twin is registered, and the same
+ * process reads the float32 matrices, for measuring one against the other. */
+static int parity_twins_on(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *v = getenv("PARITY_PACKED_TWINS");
+        on = !(v && strcmp(v, "0") == 0);
+    }
+    return on;
+}
+
+/* Register the packed form of the float32 matrix `b` ([k][n], rows n apart): MLX's affine
+ * layout of its transpose, `packed` [n][k * bits / 32] words (weight k of column j in bits
+ * (k % per_word) * bits up of word k / per_word), `scales` and `biases` [n][k / group].
+ * Everything is copied. Returns 1 when every weight matched and the twin is in use, 0 when it
+ * is refused (then products read `b` as before). */
+int parity_twin_packed(const float *b, int k, int n, const uint32_t *packed, const float *scales,
+                       const float *biases, int group, int bits) {
+    if (!b || !packed || !scales || !biases || !parity_twins_on()) return 0;
+    Twin *t = twin_alloc(b, k, n, group, bits);
+    if (!t) return 0;
+    int per = 32 / bits, wpr = k / per, gpr = k / group;
+    for (int j = 0; j < n; j++) {
+        for (int w = 0; w < wpr; w++) t->words[(long)w * n + j] = packed[(long)j * wpr + w];
+        for (int g = 0; g < gpr; g++) {
+            t->scales[(long)g * n + j] = scales[(long)j * gpr + g];
+            t->biases[(long)g * n + j] = biases[(long)j * gpr + g];
+        }
+    }
+    return twin_publish(t);
+}
+
+/* Register the twin of `b` ([k][n]) made of the twins of `parts` side by side, in order (a
+ * matrix stacked from others along its columns). Returns 1 when in use, 0 when refused (a part
+ * without a twin, twins that differ in k, group or bits, widths that do not add up to n). */
+int parity_twin_stack(const float *b, int k, int n, const float *const *parts, int count) {
+    if (!b || !parts || count <= 0) return 0;
+    Twin *held[count];
+    int ok = 1, width = 0;
+    for (int p = 0; p < count; p++) {
+        held[p] = NULL;
+        if (!ok || !parts[p]) {
+            ok = 0;
+            continue;
+        }
+        unsigned s = twin_slot(parts[p]);
+        for (unsigned i = 0; i < TwinSlots; i++) {
+            Twin *t = atomic_load(&twins[(s + i) % TwinSlots]);
+            if (!t) break;
+            if (t != Gone && t->b == parts[p]) {
+                held[p] = twin_acquire(parts[p], t->k, t->n, t->n);
+                break;
+            }
+        }
+        if (!held[p] || held[p]->k != k || held[p]->group != held[0]->group || held[p]->bits != held[0]->bits)
+            ok = 0;
+        else
+            width += held[p]->n;
+    }
+    Twin *t = ok && width == n ? twin_alloc(b, k, n, held[0]->group, held[0]->bits) : NULL;
+    if (t) {
+        int per = 32 / t->bits, j0 = 0;
+        for (int p = 0; p < count; p++) {
+            const Twin *h = held[p];
+            for (int w = 0; w < k / per; w++)
+                memcpy(t->words + (long)w * n + j0, h->words + (long)w * h->n, sizeof(uint32_t) * h->n);
+            for (int g = 0; g < k / t->group; g++) {
+                memcpy(t->scales + (long)g * n + j0, h->scales + (long)g * h->n, sizeof(float) * h->n);
+                memcpy(t->biases + (long)g * n + j0, h->biases + (long)g * h->n, sizeof(float) * h->n);
+            }
+            j0 += h->n;
+        }
+    }
+    for (int p = 0; p < count; p++) twin_release(held[p]);
+    return t ? twin_publish(t) : 0;
+}
+
+/* Unregister the twin of `b` (before `b` is freed: another matrix may come to live at its
+ * address), once no product reads it. */
+void parity_twin_drop(const float *b) {
+    Twin *found = NULL;
+    pthread_mutex_lock(&twins_lock);
+    unsigned s = twin_slot(b);
+    for (unsigned i = 0; i < TwinSlots; i++) {
+        Twin *t = atomic_load(&twins[(s + i) % TwinSlots]);
+        if (!t) break;
+        if (t != Gone && t->b == b) {
+            atomic_store(&twins[(s + i) % TwinSlots], Gone);
+            atomic_fetch_sub(&twins_live, 1);
+            found = t;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&twins_lock);
+    if (!found) return;
+    while (atomic_load(&found->users) != 0) sched_yield();
+    twin_free(found);
+}
+
+/* Whether `b` has a twin in use (tests: a product they compare really ran over a twin, and a
+ * dropped twin is gone). */
+int parity_twin_of(const float *b) {
+    Twin *t = twin_acquire(b, 0, 0, 0);
+    twin_release(t);
+    return t != NULL;
+}
+
+/* Products of up to this many rows read a twin (a benchmark counts the bytes a step reads). */
+int parity_twin_max_rows(void) { return TwinMaxRows; }
+
 /* Products of 1 to MaxFewRows rows by a matrix stored [k][n] (parity's [in, out] weights) are
  * split along K, not the columns: K is cut into KChunks runs of whole rows (multiples of 16,
  * fixed by k alone), each summed from zero in k's order into a partial output, and the
@@ -167,6 +507,8 @@ typedef struct {
     float alpha, beta;
     const float *a, *b;
     float *c, *scratch, *partials;
+    /* B's packed twin, read instead of B (K-split jobs only). */
+    const Twin *twin;
     /* A K-split job's runs are claimed, not dealt: the caller takes them from the front, the
      * workers from the back, each run once (`claimed`, a bit a run), so a worker that finds
      * its runs already in cache finishes them and takes more. */
@@ -184,7 +526,9 @@ __attribute__((target_clones("avx512f", "arch=haswell", "default"))) static void
         int c = t == 0 ? atomic_fetch_add(j->front, 1) : atomic_fetch_sub(j->back, 1);
         if (c < 0 || c >= KChunks || (atomic_fetch_or(j->claimed, 1u << c) & (1u << c))) return;
         int k0 = chunk_start(j->k, c), k1 = chunk_start(j->k, c + 1);
-        if (k1 > k0)
+        if (k1 > k0 && j->twin)
+            nn_run_twin(j->m, k0, k1, j->a, j->lda, j->twin, j->partials + (long)c * j->m * j->n, j->n);
+        else if (k1 > k0)
             nn_run(j->m, k1 - k0, j->a + k0, j->lda, j->b + (long)k0 * j->ldb, j->ldb,
                    j->partials + (long)c * j->m * j->n, j->n);
     }
@@ -290,6 +634,28 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* The back runs of a twin: its words and the scales and biases of their groups. */
+static void prefetch_twin(const Twin *t, unsigned seen) {
+    long budget = PrefetchBytes, row = (long)t->n * 4;
+    int per = 32 / t->bits;
+    for (int c = KChunks - 1; c >= 0 && budget > 0; c--) {
+        int k0 = chunk_start(t->k, c), k1 = chunk_start(t->k, c + 1);
+        for (int w = (k1 - 1) / per; k1 > k0 && w >= k0 / per && budget > 0; w--) {
+            if (atomic_load_explicit(&pool.generation, memory_order_relaxed) != seen) return;
+            const char *p[3] = {(const char *)(t->words + (long)w * t->n), NULL, NULL};
+            if ((w * per) % t->group == 0) {
+                p[1] = (const char *)(t->scales + (long)(w * per / t->group) * t->n);
+                p[2] = (const char *)(t->biases + (long)(w * per / t->group) * t->n);
+            }
+            for (int i = 0; i < 3; i++)
+                if (p[i]) {
+                    for (long q = 0; q < row; q += 64) __builtin_prefetch(p[i] + q, 0, 2);
+                    budget -= row;
+                }
+        }
+    }
+}
+
 static void prefetch_after(const float *b, unsigned seen) {
     unsigned s = slot_of(b);
     if (atomic_load_explicit(&next_of[s].from, memory_order_relaxed) != b) return;
@@ -297,6 +663,13 @@ static void prefetch_after(const float *b, unsigned seen) {
     int k = atomic_load_explicit(&next_of[s].k, memory_order_relaxed);
     int n = atomic_load_explicit(&next_of[s].n, memory_order_relaxed);
     int ldb = atomic_load_explicit(&next_of[s].ldb, memory_order_relaxed);
+    /* A matrix with a twin is read through it: its floats would only crowd the cache. */
+    Twin *twin = twin_acquire(to, k, n, ldb);
+    if (twin) {
+        prefetch_twin(twin, seen);
+        twin_release(twin);
+        return;
+    }
     long budget = PrefetchBytes;
     for (int c = KChunks - 1; c >= 0 && budget > 0; c--) {
         int k0 = chunk_start(k, c), k1 = chunk_start(k, c + 1);
@@ -408,8 +781,10 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
             gemm(RowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
             return;
         }
+        Twin *twin = m <= TwinMaxRows ? twin_acquire(b, k, n, ldb) : NULL;
         few_rows((Job){.m = m, .n = n, .k = k, .lda = lda, .ldb = ldb, .ldc = ldc, .alpha = alpha, .beta = beta,
-                       .a = a, .b = b, .c = c, .partials = partials});
+                       .a = a, .b = b, .c = c, .partials = partials, .twin = twin});
+        twin_release(twin);
         free(partials);
     } else if (m > 1 && n > 1) {
         /* 2 to 12 rows by weights stored [out, in] (mlx-lm's): each output column is a dot

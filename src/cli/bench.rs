@@ -124,12 +124,14 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     let rows = bench::bench(&model, &paths, &a.batch, opts)?;
     print!("{}", bench::render(&rows));
-    let weight_bytes: u64 = model.matmul_bytes().iter().map(|b| b.1).sum();
+    // What a step at each batch reads of the weights: the float32 matrices, or their packed
+    // twins where the BLAS reads those (batches up to Twin::max_rows).
+    let weight_bytes = |batch: usize| -> u64 { model.matmul_bytes(batch).iter().map(|b| b.1).sum() };
     // Measured after the decode runs, not beside them: a bandwidth read while MLX's threads
     // run would be shared with them.
     let bandwidth = match a.limit {
         false => None,
-        true => Some(limits(&rows, weight_bytes)?),
+        true => Some(limits(&rows, &weight_bytes)?),
     };
     let mut profiles = Vec::new();
     if let Some(steps) = a.profile {
@@ -176,13 +178,15 @@ pub fn run(a: Args) -> Result<ExitCode> {
 /// The memory read bandwidth of the device this run decoded on, and each row's decode as a
 /// fraction of the rate it allows; the figures as JSON. Measured after the decode runs, never
 /// beside them: a bandwidth read while MLX's threads run would be shared with them.
-fn limits(rows: &[BenchRow], weight_bytes: u64) -> Result<serde_json::Value> {
+fn limits(rows: &[BenchRow], weight_bytes: &dyn Fn(usize) -> u64) -> Result<serde_json::Value> {
+    // The float32 weights: what a step reads wherever no packed twin is read.
+    let full = weight_bytes(usize::MAX);
     let (bandwidth, how) = if crate::environment::device() == "gpu" {
         let b = bench::device_read_bandwidth(1 << 30, 5)?;
         println!(
             "device read bandwidth (MLX's sum over 1 GiB, best of 5): {:.1} GB/s; weights read a decode step {:.1} MB",
             b / 1e9,
-            weight_bytes as f64 / 1e6
+            full as f64 / 1e6
         );
         (b, serde_json::json!({ "device": b }))
     } else {
@@ -193,13 +197,14 @@ fn limits(rows: &[BenchRow], weight_bytes: u64) -> Result<serde_json::Value> {
             "memory read bandwidth (1 GiB on huge pages where the kernel gives them, best of 5): {:.1} GB/s on one thread, {:.1} GB/s on {cores}; weights read a decode step {:.1} MB",
             one / 1e9,
             all / 1e9,
-            weight_bytes as f64 / 1e6
+            full as f64 / 1e6
         );
         (all.max(one), serde_json::json!({ "one_thread": one, "all_threads": all, "threads": cores }))
     };
+    let mut twinned = Vec::new();
     for r in rows {
-        let limit = bench::decode_limit(weight_bytes, r.kv.bytes_live, r.batch, bandwidth);
-        println!(
+        let limit = bench::decode_limit(full, r.kv.bytes_live, r.batch, bandwidth);
+        print!(
             "  {} B={}: decode {:.1} tok/s of a {:.1} tok/s bandwidth limit ({:.0}%)",
             r.path,
             r.batch,
@@ -207,10 +212,25 @@ fn limits(rows: &[BenchRow], weight_bytes: u64) -> Result<serde_json::Value> {
             limit,
             100.0 * r.decode_tps.median / limit
         );
+        // Through packed twins a step reads less than the float32 weights, and the limit those
+        // bytes allow is said beside the float32 one, never in its place: the float32 limit is
+        // what the same products cost read as floats.
+        let read = weight_bytes(r.batch);
+        if read < full {
+            let packed = bench::decode_limit(read, r.kv.bytes_live, r.batch, bandwidth);
+            print!(
+                "; through packed twins a step reads {:.1} MB, a {packed:.1} tok/s limit ({:.0}%)",
+                read as f64 / 1e6,
+                100.0 * r.decode_tps.median / packed
+            );
+            twinned.push(serde_json::json!({ "batch": r.batch, "weight_bytes": read }));
+        }
+        println!();
     }
     let mut v = how;
     v["bytes_per_second"] = serde_json::json!(bandwidth);
-    v["weight_bytes"] = serde_json::json!(weight_bytes);
+    v["weight_bytes"] = serde_json::json!(full);
+    v["packed_twins"] = serde_json::json!(twinned);
     Ok(v)
 }
 

@@ -7,6 +7,7 @@ use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::{Array, Dtype};
 
 use super::fused::Fused;
+use super::twin::Twin;
 
 use crate::checkpoint::weights::{Expect, packed_layout};
 use crate::checkpoint::{ModelConfig, QuantSpec, Quantization, WeightStore};
@@ -50,8 +51,10 @@ fn transposed(w: &WeightStore, a: &Array) -> Result<Array> {
 }
 
 pub enum Linear {
-    /// `weight_t`: `[in, out]` (see [`transposed`]).
+    /// `weight_t`: `[in, out]` (see [`transposed`]); `twin`: its packed form where it was
+    /// dequantized at load and the BLAS reads it (declared first: dropped before the matrix).
     Dense {
+        twin: Option<Twin>,
         weight_t: Array,
         bias: Option<Array>,
     },
@@ -87,14 +90,16 @@ impl Linear {
                     let dense =
                         mlx_rs::ops::dequantize(&weight, &scales, &biases, spec.group_size as i32, spec.bits as i32)?;
                     // Materialised by the transpose: the cost belongs to loading, and the packed
-                    // form is freed.
-                    return Ok(Linear::Dense { weight_t: transposed(w, &dense)?, bias });
+                    // form is freed (the BLAS keeps its own copy as the twin).
+                    let weight_t = transposed(w, &dense)?;
+                    let twin = Twin::packed(&weight_t, &weight, &scales, &biases, spec);
+                    return Ok(Linear::Dense { twin, weight_t, bias });
                 }
                 Ok(Linear::Quantized { weight, scales, biases, bias, spec })
             }
             None => {
                 let weight = cast(w.take(&format!("{path}.weight"), Expect::float(&[output, input]))?, opts)?;
-                Ok(Linear::Dense { weight_t: transposed(w, &weight)?, bias })
+                Ok(Linear::Dense { twin: None, weight_t: transposed(w, &weight)?, bias })
             }
         }
     }
@@ -116,10 +121,14 @@ impl Linear {
         }
     }
 
-    /// Bytes a forward reads from the weights (packed, scales and biases included).
-    pub fn nbytes(&self) -> u64 {
+    /// Bytes a forward of `rows` rows reads from the weights (packed, scales and biases
+    /// included; a twin's where the BLAS reads it at that many rows).
+    pub fn read_bytes(&self, rows: usize) -> u64 {
         let arrays: Vec<&Array> = match self {
-            Linear::Dense { weight_t, bias } => std::iter::once(weight_t).chain(bias).collect(),
+            Linear::Dense { twin: Some(twin), bias, .. } if rows <= Twin::max_rows() => {
+                return twin.nbytes() + bias.iter().map(|b| b.nbytes() as u64).sum::<u64>();
+            }
+            Linear::Dense { weight_t, bias, .. } => std::iter::once(weight_t).chain(bias).collect(),
             Linear::Quantized { weight, scales, biases, bias, .. } => {
                 [weight, scales, biases].into_iter().chain(bias).collect()
             }
@@ -180,7 +189,18 @@ impl Stacked {
             })
             .collect();
         let linear = match (dense, quantized) {
-            (Some(weights), _) => Linear::Dense { weight_t: stack_on(weights, 1)?, bias },
+            (Some(weights), _) => {
+                let weight_t = stack_on(weights, 1)?;
+                let twins: Option<Vec<&Twin>> = parts
+                    .iter()
+                    .map(|p| match p {
+                        Linear::Dense { twin, .. } => twin.as_ref(),
+                        Linear::Quantized { .. } => None,
+                    })
+                    .collect();
+                let twin = twins.and_then(|t| Twin::stack(&weight_t, &t));
+                Linear::Dense { twin, weight_t, bias }
+            }
             (None, Some(q)) if q.iter().all(|x| x.3 == q[0].3) => Linear::Quantized {
                 weight: stack(q.iter().map(|x| x.0).collect())?,
                 scales: stack(q.iter().map(|x| x.1).collect())?,
@@ -193,10 +213,10 @@ impl Stacked {
         Ok(Stacked::One { linear, split_at })
     }
 
-    pub fn nbytes(&self) -> u64 {
+    pub fn read_bytes(&self, rows: usize) -> u64 {
         match self {
-            Stacked::One { linear, .. } => linear.nbytes(),
-            Stacked::Many(parts) => parts.iter().map(Linear::nbytes).sum(),
+            Stacked::One { linear, .. } => linear.read_bytes(rows),
+            Stacked::Many(parts) => parts.iter().map(|p| p.read_bytes(rows)).sum(),
         }
     }
 
@@ -258,7 +278,9 @@ fn load_packed(
 pub enum Embedding {
     /// `weight_t`: `[hidden, vocab]` (see [`transposed`]): the tied output projection reads it
     /// whole every step; a lookup takes a few of its columns.
+    /// `twin`: as [`Linear::Dense`]'s.
     Dense {
+        twin: Option<Twin>,
         weight_t: Array,
     },
     Quantized {
@@ -285,15 +307,17 @@ impl Embedding {
                     // The embedding too: tied, it is also the output projection, the largest
                     // matmul of a decode step, and MLX's CPU quantized matmul is single-threaded
                     // (mlx-lm's dequantize_model converts it as well).
-                    let weight =
+                    let dense =
                         mlx_rs::ops::dequantize(&weight, &scales, &biases, spec.group_size as i32, spec.bits as i32)?;
-                    return Ok(Embedding::Dense { weight_t: transposed(w, &weight)? });
+                    let weight_t = transposed(w, &dense)?;
+                    let twin = Twin::packed(&weight_t, &weight, &scales, &biases, spec);
+                    return Ok(Embedding::Dense { twin, weight_t });
                 }
                 Ok(Embedding::Quantized { weight, scales, biases, spec })
             }
             None => {
                 let weight = cast(w.take(&format!("{path}.weight"), Expect::float(&[vocab, hidden]))?, opts)?;
-                Ok(Embedding::Dense { weight_t: transposed(w, &weight)? })
+                Ok(Embedding::Dense { twin: None, weight_t: transposed(w, &weight)? })
             }
         }
     }
@@ -301,7 +325,7 @@ impl Embedding {
     /// `ids` of any shape -> `[..., hidden]`.
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         match self {
-            Embedding::Dense { weight_t } => {
+            Embedding::Dense { weight_t, .. } => {
                 // Columns `ids` of `[hidden, vocab]`: `[hidden, ...ids]`, hidden moved last.
                 let cols = weight_t.take_axis(ids, 1)?;
                 let n = cols.ndim() as i32;
@@ -317,9 +341,11 @@ impl Embedding {
         }
     }
 
-    pub fn nbytes(&self) -> u64 {
+    /// Bytes the tied output projection reads for `rows` rows (see [`Linear::read_bytes`]).
+    pub fn read_bytes(&self, rows: usize) -> u64 {
         let arrays = match self {
-            Embedding::Dense { weight_t } => vec![weight_t],
+            Embedding::Dense { twin: Some(twin), .. } if rows <= Twin::max_rows() => return twin.nbytes(),
+            Embedding::Dense { weight_t, .. } => vec![weight_t],
             Embedding::Quantized { weight, scales, biases, .. } => vec![weight, scales, biases],
         };
         arrays.iter().map(|a| a.nbytes() as u64).sum()
@@ -328,7 +354,7 @@ impl Embedding {
     /// The tied output projection: `x @ E^T`.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
-            Embedding::Dense { weight_t } => Ok(x.matmul(weight_t)?),
+            Embedding::Dense { weight_t, .. } => Ok(x.matmul(weight_t)?),
             Embedding::Quantized { weight, scales, biases, spec } => qmatmul_t(x, weight, scales, biases, *spec),
         }
     }
@@ -432,9 +458,9 @@ impl Mlp {
         })
     }
 
-    /// Weight bytes of the gate/up and the down projections.
-    pub fn nbytes(&self) -> (u64, u64) {
-        (self.gate_up.nbytes(), self.down.nbytes())
+    /// Weight bytes the gate/up and the down projections read for `rows` rows.
+    pub fn read_bytes(&self, rows: usize) -> (u64, u64) {
+        (self.gate_up.read_bytes(rows), self.down.read_bytes(rows))
     }
 
     /// `x` -> the MLP's output; `tap` sees the gated product before the down projection.

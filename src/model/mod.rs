@@ -10,6 +10,7 @@ pub mod layers;
 pub mod llama;
 pub mod qwen3;
 pub mod rope;
+mod twin;
 
 use std::path::Path;
 
@@ -267,19 +268,20 @@ impl Model {
         self.faults.set(faults);
     }
 
-    /// Bytes of weights read by the matmul that ends each timed tap, over all layers: `q_proj`
-    /// (q, k and v, one stacked matmul), `o_proj`, `mlp_gated` (gate and up), `mlp` (down) and
-    /// `logits` (the head, or the tied embedding).
-    pub fn matmul_bytes(&self) -> Vec<(&'static str, u64)> {
+    /// Bytes of weights read by the matmul that ends each timed tap, over all layers, in a
+    /// step of `rows` rows: `q_proj` (q, k and v, one stacked matmul), `o_proj`, `mlp_gated`
+    /// (gate and up), `mlp` (down) and `logits` (the head, or the tied embedding). Packed twins
+    /// read at that many rows count as what they are.
+    pub fn matmul_bytes(&self, rows: usize) -> Vec<(&'static str, u64)> {
         let (mut qkv, mut o, mut gate_up, mut down) = (0, 0, 0, 0);
         for b in &self.blocks {
-            let (a, c) = b.attn.nbytes();
-            let (g, d) = b.mlp.nbytes();
+            let (a, c) = b.attn.read_bytes(rows);
+            let (g, d) = b.mlp.read_bytes(rows);
             (qkv, o, gate_up, down) = (qkv + a, o + c, gate_up + g, down + d);
         }
         let head = match &self.lm_head {
-            Some(h) => h.nbytes(),
-            None => self.embed.nbytes(),
+            Some(h) => h.read_bytes(rows),
+            None => self.embed.read_bytes(rows),
         };
         vec![("q_proj", qkv), ("o_proj", o), ("mlp_gated", gate_up), ("mlp", down), ("logits", head)]
     }

@@ -152,9 +152,9 @@ impl Attention {
         })
     }
 
-    /// Weight bytes of the stacked q/k/v and the output projections.
-    pub fn nbytes(&self) -> (u64, u64) {
-        (self.qkv.nbytes(), self.o_proj.nbytes())
+    /// Weight bytes the stacked q/k/v and the output projections read for `rows` rows.
+    pub fn read_bytes(&self, rows: usize) -> (u64, u64) {
+        (self.qkv.read_bytes(rows), self.o_proj.read_bytes(rows))
     }
 
     /// `x`: `[B, T, hidden]` (normed) -> `[B, T, hidden]`.
