@@ -208,32 +208,36 @@ static inline __attribute__((always_inline)) void twin_rows(const int M, const i
                                                              int n) {
     const int per = 32 / BITS;
     int whole = n / 8 * 8;
+    float *out0 = acc, *out1 = acc + (M > 1 ? n : 0);
     for (int k = k0; k < k1; k += per) {
         const uint32_t *words = t->words + (long)(k / per) * n;
         const float *scales = t->scales + (long)(k / t->group) * n, *biases = t->biases + (scales - t->scales);
-        float x[TwinMaxRows][32];
-        for (int i = 0; i < M; i++)
-            for (int s = 0; s < per; s++) x[i][s] = a[(long)i * lda + k + s];
+        const float *x0 = a + k, *x1 = a + (M > 1 ? lda : 0) + k;
+        /* Named sums, not an array: an array of vectors went through the stack, and the
+         * reload of a sum stored in halves stalled every column block. */
         for (int j = 0; j < whole; j += 8) {
             u8v word;
-            v8 sc, bi, c[TwinMaxRows] = {{0}};
+            v8 sc, bi, c0 = {0}, c1 = {0};
             memcpy(&word, words + j, sizeof word);
             memcpy(&sc, scales + j, sizeof sc);
             memcpy(&bi, biases + j, sizeof bi);
-            if (k > k0)
-                for (int i = 0; i < M; i++) memcpy(&c[i], acc + (long)i * n + j, sizeof c[i]);
+            if (k > k0) {
+                memcpy(&c0, out0 + j, sizeof c0);
+                if (M > 1) memcpy(&c1, out1 + j, sizeof c1);
+            }
 #pragma GCC unroll 16
             for (int s = 0; s < per; s++) {
                 v8 w = TWIN_WEIGHT(BITS, word, s, sc, bi);
-#pragma GCC unroll 4
-                for (int i = 0; i < M; i++) c[i] += x[i][s] * w;
+                c0 += x0[s] * w;
+                if (M > 1) c1 += x1[s] * w;
             }
-            for (int i = 0; i < M; i++) memcpy(acc + (long)i * n + j, &c[i], sizeof c[i]);
+            memcpy(out0 + j, &c0, sizeof c0);
+            if (M > 1) memcpy(out1 + j, &c1, sizeof c1);
         }
         for (int j = whole; j < n; j++)
             for (int i = 0; i < M; i++) {
                 float c = k > k0 ? acc[(long)i * n + j] : 0.0f;
-                for (int s = 0; s < per; s++) c += x[i][s] * twin_weight1(t, k + s, j);
+                for (int s = 0; s < per; s++) c += a[(long)i * lda + k + s] * twin_weight1(t, k + s, j);
                 acc[(long)i * n + j] = c;
             }
     }
