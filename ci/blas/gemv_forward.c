@@ -367,15 +367,22 @@ static int twin_publish(Twin *t) {
     }
     pthread_mutex_lock(&twins_lock);
     unsigned s = twin_slot(t->b);
-    int done = 0;
-    for (unsigned i = 0; i < TwinSlots && !done; i++) {
+    int done = 0, free_slot = -1;
+    /* The whole probe chain first: one twin a matrix (a second, behind a dropped entry, would
+     * outlive the drop of the first and stand for whatever array comes to live there). */
+    for (unsigned i = 0; i < TwinSlots; i++) {
         Twin *old = atomic_load(&twins[(s + i) % TwinSlots]);
-        if (old && old != Gone && old->b == t->b) break; /* one twin a matrix: the first stays */
-        if (!old || old == Gone) {
-            atomic_store(&twins[(s + i) % TwinSlots], t);
-            atomic_fetch_add(&twins_live, 1);
-            done = 1;
+        if (old && old != Gone && old->b == t->b) {
+            free_slot = -1;
+            break;
         }
+        if ((!old || old == Gone) && free_slot < 0) free_slot = (int)((s + i) % TwinSlots);
+        if (!old) break;
+    }
+    if (free_slot >= 0) {
+        atomic_store(&twins[free_slot], t);
+        atomic_fetch_add(&twins_live, 1);
+        done = 1;
     }
     pthread_mutex_unlock(&twins_lock);
     if (!done) twin_free(t);

@@ -223,7 +223,7 @@ mod tests {
     }
 
     /// A twin is used only where every weight is the matrix's: one weight off and it is refused
-    /// (the products then read the floats), as is a twin of the wrong shape.
+    /// (the products then read the floats), as is a twin of the wrong shape or a second twin.
     #[test]
     fn a_twin_that_is_not_its_matrix_is_refused() {
         crate::environment::use_device(crate::environment::DeviceChoice::Cpu).expect("the CPU is always there");
@@ -238,6 +238,13 @@ mod tests {
         assert!(Twin::packed(&off, &q, &s, &b, spec).is_none(), "one weight a bit off");
         let wrong = QuantSpec { group_size: 64, bits: 4 };
         assert!(Twin::packed(&w, &q, &s, &b, wrong).is_none(), "scales of another group size");
+        // One twin a matrix: a second would outlive the first's drop, standing for whatever
+        // array MLX puts at that address next.
+        let first = Twin::packed(&w, &q, &s, &b, spec);
+        assert!(first.is_some());
+        assert!(Twin::packed(&w, &q, &s, &b, spec).is_none(), "a second twin of one matrix");
+        drop(first);
+        assert_eq!(Twin::of(&w), Some(false), "no twin left behind the first");
     }
 
     /// q, k and v (and gate and up) run as one stacked matmul: its twin is the parts' twins side
