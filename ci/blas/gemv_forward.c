@@ -151,6 +151,16 @@ static inline __attribute__((always_inline)) void nt_columns(int m, int k, const
     }
 }
 
+/* Products of 1 to MaxFewRows rows by a matrix stored [k][n] (parity's [in, out] weights) are
+ * split along K, not the columns: K is cut into KChunks runs of whole rows (multiples of 16,
+ * fixed by k alone), each summed from zero in k's order into a partial output, and the
+ * partials are added in run order. Threads take whole runs, so each streams whole rows:
+ * splitting the columns left each of two threads a 1152-byte piece of every 2304-byte row of
+ * SmolLM2's o and down matrices. The runs depend on neither the thread count nor m, so a row's
+ * sums are the same on any number of cores and next to 0 to 11 other rows. */
+enum { KChunks = 8 };
+static int chunk_start(int k, int c) { return c == KChunks ? k : (int)((long)k * c / KChunks) / 16 * 16; }
+
 /* Packed twins. A checkpoint quantized to a few bits and dequantized at load (parity computes in
  * float32: MLX's CPU quantized matmul runs on one thread) has every float32 weight equal to
  * scale * q + bias for a small integer q. A decode step at batch 1 reads all of those floats;
@@ -178,7 +188,7 @@ typedef struct {
 /* Up to this many rows read a twin; more read the float32 matrix, whose products are then
  * bound by arithmetic, not by the bytes read, and computing each weight again for every group
  * of rows would cost more than it saves (see docs/benchmarks.md). */
-enum { TwinMaxRows = 2 };
+enum { TwinMaxRows = 1 };
 
 /* Weight `s` of each of 8 columns' `word`: the products and the check below both compute it
  * here, so what the check compares is what the products multiply. (A macro: a function taking
@@ -295,6 +305,36 @@ __attribute__((target_clones("avx512f", "arch=haswell", "default"))) static int 
     }
 }
 
+/* Whether the twin's sums are the float kernel's, bit for bit, on this CPU's build: one and
+ * two rows of fixed values over every run of K, through nn_run and through the twin. The
+ * weights alone being equal is not enough: the two kernels are separate code, and a build that
+ * fuses a multiply and add in one and not the other (an AVX-512 build contracts nn_run's
+ * 16-wide sums but has no FMA for the twin's 8-wide ones) would sum the same weights to other
+ * bits. A twin whose sums differ here is refused: speed is given up, bits are not. */
+__attribute__((target_clones("avx512f", "arch=haswell", "default"))) static int twin_sums_match(const Twin *t) {
+    int ok = 1;
+    float *x = malloc(sizeof(float) * 2 * (size_t)t->k), *p = malloc(sizeof(float) * 2 * (size_t)t->n),
+          *q = malloc(sizeof(float) * 2 * (size_t)t->n);
+    if (!x || !p || !q) ok = 0;
+    unsigned r = 12345u;
+    for (int i = 0; ok && i < 2 * t->k; i++) {
+        r = r * 1664525u + 1013904223u;
+        x[i] = (float)(int)(r >> 8) / (float)(1 << 23) - 1.0f;
+    }
+    for (int m = 1; ok && m <= TwinMaxRows; m++)
+        for (int c = 0; ok && c < KChunks; c++) {
+            int k0 = chunk_start(t->k, c), k1 = chunk_start(t->k, c + 1);
+            if (k1 <= k0) continue;
+            nn_run(m, k1 - k0, x + k0, t->k, t->b + (long)k0 * t->n, t->n, p, t->n);
+            nn_run_twin(m, k0, k1, x, t->k, t, q, t->n);
+            ok = memcmp(p, q, sizeof(float) * (size_t)m * (size_t)t->n) == 0;
+        }
+    free(x);
+    free(p);
+    free(q);
+    return ok;
+}
+
 /* Twins by their float32 matrix: open addressing, looked up without a lock by every product,
  * changed under `twins_lock` at load and drop. A dropped entry becomes `Gone`, so later keys
  * of its probe chain are still found. */
@@ -361,7 +401,7 @@ static Twin *twin_alloc(const float *b, int k, int n, int group, int bits) {
 
 /* Verify `t` and publish it; on any refusal it is freed. Returns 1 when published. */
 static int twin_publish(Twin *t) {
-    if (!twin_matches(t)) {
+    if (!twin_matches(t) || !twin_sums_match(t)) {
         twin_free(t);
         return 0;
     }
@@ -499,15 +539,6 @@ int parity_twin_of(const float *b) {
 /* Products of up to this many rows read a twin (a benchmark counts the bytes a step reads). */
 int parity_twin_max_rows(void) { return TwinMaxRows; }
 
-/* Products of 1 to MaxFewRows rows by a matrix stored [k][n] (parity's [in, out] weights) are
- * split along K, not the columns: K is cut into KChunks runs of whole rows (multiples of 16,
- * fixed by k alone), each summed from zero in k's order into a partial output, and the
- * partials are added in run order. Threads take whole runs, so each streams whole rows:
- * splitting the columns left each of two threads a 1152-byte piece of every 2304-byte row of
- * SmolLM2's o and down matrices. The runs depend on neither the thread count nor m, so a row's
- * sums are the same on any number of cores and next to 0 to 11 other rows. */
-enum { KChunks = 8 };
-static int chunk_start(int k, int c) { return c == KChunks ? k : (int)((long)k * c / KChunks) / 16 * 16; }
 
 /* C (m x n, ldc) = alpha A op(B) + beta C, A's rows contiguous; `scratch` (m x n) holds the
  * sums when beta != 0 (beta == 0 must not read C, see gemv above: then C itself holds them).

@@ -7,9 +7,10 @@
 //! SmolLM2-135M's step reads 540 MB where 100 MB would do. ci/blas/gemv_forward.c, the BLAS in
 //! front of OpenBLAS that runs a step's products of 1 to 12 rows, takes the packed form of such
 //! a matrix as its twin and computes each weight in registers as it multiplies. It compares every
-//! weight of a twin, bit for bit, with the float32 matrix before it uses it, and sums in the
-//! order it sums the floats, so a product's bits are the same with or without a twin: what moves
-//! is the bytes a step reads, not a logit.
+//! weight of a twin, bit for bit, with the float32 matrix before it uses it, sums in the order
+//! it sums the floats, and checks that one and two rows' sums through the twin are the float
+//! kernel's on this CPU's build, so a product's bits are the same with or without a twin: what
+//! moves is the bytes a step reads, not a logit.
 //!
 //! Without that BLAS (macOS, a GPU, `PARITY_NETLIB_BLAS=1`) there is nothing to register with
 //! and the float32 matrices are read as before.
@@ -212,7 +213,9 @@ mod tests {
             let x = mlx_rs::random::normal::<f32>(&[rows, k], None, None, None).unwrap();
             let floats: Vec<Vec<u32>> = (1..=rows).map(|m| product(&x, m, &w)).collect();
             let twin = Twin::packed(&w, &q, &s, &b, spec);
-            assert!(twin.is_some(), "{bits}-bit group {group} {k}x{n}: MLX's dequantized weights refused");
+            // Refused if a weight is not MLX's float or the twin's sums are not the float
+            // kernel's on this CPU's build (the shim checks both at registration).
+            assert!(twin.is_some(), "{bits}-bit group {group} {k}x{n}: the twin of MLX's dequantized weights refused");
             assert_eq!(Twin::of(&w), Some(true));
             for m in 1..=rows {
                 assert!(product(&x, m, &w) == floats[m as usize - 1], "{bits}-bit {k}x{n}, {m} rows");
