@@ -271,10 +271,10 @@ mod tests {
         };
         assert!(twin.is_some(), "the stacked matrix has a twin");
         assert_eq!(twin.as_ref().map(Twin::nbytes), Some((576 * 960 / 2 + 2 * 18 * 960 * 4) as u64));
-        let x = mlx_rs::random::normal::<f32>(&[2, 576], None, None, None).unwrap();
-        let through = product(&x, 2, weight_t);
+        let x = mlx_rs::random::normal::<f32>(&[1, 576], None, None, None).unwrap();
+        let through = product(&x, 1, weight_t);
         let floats = weight_t.as_slice::<f32>().to_vec();
         let copy = Array::from_slice(&floats, &[576, 960]);
-        assert!(product(&x, 2, &copy) == through, "the stacked twin's product is the floats'");
+        assert!(product(&x, 1, &copy) == through, "the stacked twin's product is the floats'");
     }
 }
