@@ -14,7 +14,9 @@
  * cycled cold, ci/blas/bench_sgemm.c: 2.5x OpenBLAS's rate at M = 2, 1.5x at 8, 1.4x at 12,
  * even at 16). By weights stored [in, out] (parity's) it takes one row too, split along K, and
  * while the caller runs the operations between two products a worker prefetches the next
- * matrix (see record_next). Every other call, and every other BLAS symbol, is OpenBLAS's.
+ * matrix (see record_next). A matrix dequantized from a few bits can have its packed form
+ * registered as its twin, and one-row products by it then read the twin (see Packed twins).
+ * Every other call, and every other BLAS symbol, is OpenBLAS's.
  *
  * Built by ci/blas.sh, which points the mlx-cpu wheel's libblas at it (parity's MLX and
  * mlx-lm's alike, so a benchmark's two sides run the same BLAS). PARITY_GEMV_FORWARD=0 in the
@@ -185,9 +187,10 @@ typedef struct {
     atomic_int users; /* calls reading the twin now: dropping it waits for them */
 } Twin;
 
-/* Up to this many rows read a twin; more read the float32 matrix, whose products are then
- * bound by arithmetic, not by the bytes read, and computing each weight again for every group
- * of rows would cost more than it saves (see docs/benchmarks.md). */
+/* Up to this many rows read a twin; more read the float32 matrix. The twin kernel is bound by
+ * arithmetic, not by the bytes it reads (each weight made from its word, then each sum's chain of
+ * dependent multiply-adds): at two rows it was no faster than reading the floats, at three and
+ * four slower (see docs/benchmarks.md). */
 enum { TwinMaxRows = 1 };
 
 /* Weight `s` of each of 8 columns' `word`: the products and the check below both compute it
@@ -305,8 +308,8 @@ __attribute__((target_clones("avx512f", "arch=haswell", "default"))) static int 
     }
 }
 
-/* Whether the twin's sums are the float kernel's, bit for bit, on this CPU's build: one and
- * two rows of fixed values over every run of K, through nn_run and through the twin. The
+/* Whether the twin's sums are the float kernel's, bit for bit, on this CPU's build: rows of
+ * fixed values (1 to TwinMaxRows) over every run of K, through nn_run and through the twin. The
  * weights alone being equal is not enough: the two kernels are separate code, and a build that
  * fuses a multiply and add in one and not the other (an AVX-512 build contracts nn_run's
  * 16-wide sums but has no FMA for the twin's 8-wide ones) would sum the same weights to other

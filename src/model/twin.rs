@@ -8,8 +8,8 @@
 //! front of OpenBLAS that runs a step's products of 1 to 12 rows, takes the packed form of such
 //! a matrix as its twin and computes each weight in registers as it multiplies. It compares every
 //! weight of a twin, bit for bit, with the float32 matrix before it uses it, sums in the order
-//! it sums the floats, and checks that one and two rows' sums through the twin are the float
-//! kernel's on this CPU's build, so a product's bits are the same with or without a twin: what
+//! it sums the floats, and checks that a row's sums through the twin are the float kernel's on
+//! this CPU's build, so a product's bits are the same with or without a twin: what
 //! moves is the bytes a step reads, not a logit.
 //!
 //! Without that BLAS (macOS, a GPU, `PARITY_NETLIB_BLAS=1`) there is nothing to register with
