@@ -653,7 +653,7 @@ static void record_next(const Job *j) {
     last_b = j->b;
 }
 
-static void prefetch_after(const float *b, unsigned seen);
+static void prefetch_after(const float *b, unsigned seen, int m);
 
 static void *worker(void *arg) {
     int id = (int)(long)arg;
@@ -668,13 +668,14 @@ static void *worker(void *arg) {
         }
         seen = g;
         const float *b = pool.job.partials ? pool.job.b : NULL;
+        int m = pool.job.m;
         if (id < pool.job.parts) part(&pool.job, id);
         if (atomic_fetch_sub(&pool.pending, 1) == 1) {
             pthread_mutex_lock(&pool.lock);
             pthread_cond_signal(&pool.done);
             pthread_mutex_unlock(&pool.lock);
         }
-        if (b && id == 1) prefetch_after(b, seen);
+        if (b && id == 1) prefetch_after(b, seen, m);
     }
     return NULL;
 }
@@ -701,15 +702,17 @@ static void prefetch_twin(const Twin *t, unsigned seen) {
     }
 }
 
-static void prefetch_after(const float *b, unsigned seen) {
+/* After a product of `m` rows by `b`: the next product of a step has as many rows. */
+static void prefetch_after(const float *b, unsigned seen, int m) {
     unsigned s = slot_of(b);
     if (atomic_load_explicit(&next_of[s].from, memory_order_relaxed) != b) return;
     const float *to = atomic_load_explicit(&next_of[s].to, memory_order_relaxed);
     int k = atomic_load_explicit(&next_of[s].k, memory_order_relaxed);
     int n = atomic_load_explicit(&next_of[s].n, memory_order_relaxed);
     int ldb = atomic_load_explicit(&next_of[s].ldb, memory_order_relaxed);
-    /* A matrix with a twin is read through it: its floats would only crowd the cache. */
-    Twin *twin = twin_acquire(to, k, n, ldb);
+    /* A product that reads a twin gets the twin: the floats would only crowd the cache (and a
+     * product of more rows than read twins gets the floats, twin or not). */
+    Twin *twin = m <= TwinMaxRows ? twin_acquire(to, k, n, ldb) : NULL;
     if (twin) {
         prefetch_twin(twin, seen);
         twin_release(twin);
