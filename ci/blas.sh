@@ -19,8 +19,9 @@ gemv_forward_lib() {
   stamp=$(cat "$src" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)
   if [ "$(cat "$out.stamp" 2>/dev/null)" != "$stamp" ] || [ ! -f "$out" ]; then
     mkdir -p "$(dirname "$out")"
-    # -O3 unrolls the few-row kernels' loops over a block so their sums stay in registers.
-    gcc -O3 -pthread -shared -fPIC -Wall -Werror -o "$out.tmp" "$src" "$blas_dir/libopenblas.so.0" \
+    # -O3 unrolls the few-row kernels' loops over a block so their sums stay in registers;
+    # -ffp-contract=off keeps every clone's roundings the baseline's (see part() in the source).
+    gcc -O3 -ffp-contract=off -pthread -shared -fPIC -Wall -Werror -o "$out.tmp" "$src" "$blas_dir/libopenblas.so.0" \
       -Wl,-rpath,"$blas_dir" -ldl >&2 || { rm -f "$out.tmp"; return 0; }
     mv "$out.tmp" "$out" && echo "$stamp" > "$out.stamp"
   fi

@@ -29,6 +29,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,16 +58,7 @@ int parity_gemv_forward(void) {
     return on;
 }
 
-/* What a report's environment says of this file (src/environment.rs and ci/bench_mlx_lm.py
- * read it): a baseline measured with other forwarding is refused against this one. */
 static int parity_twins_on(void);
-const char *parity_blas_shim(void) {
-    if (!parity_gemv_forward()) return "GEMM forwarding off";
-    return parity_twins_on() ? "1-12-row GEMM reading the weights once, split K in 8 runs by [in, out] weights and "
-                               "prefetched, dequantized weights read from packed twins, other one-row GEMM as GEMV"
-                             : "1-12-row GEMM reading the weights once, split K in 8 runs by [in, out] weights and "
-                               "prefetched, packed twins off, other one-row GEMM as GEMV";
-}
 
 /* y = alpha * op(A) x + beta * y, with op(A) rows x cols. beta == 0 must not read y (GEMM
  * does not read C then, and MLX hands over uninitialised output): it is zeroed first. */
@@ -188,10 +180,10 @@ typedef struct {
 } Twin;
 
 /* Up to this many rows read a twin; more read the float32 matrix. The twin kernel is bound by
- * arithmetic, not by the bytes it reads (each weight made from its word, then each sum's chain of
- * dependent multiply-adds): at two rows it was no faster than reading the floats, at three and
- * four slower (see docs/benchmarks.md). */
-enum { TwinMaxRows = 1 };
+ * arithmetic, not by the bytes it reads (each weight made from its word, then a multiply and an
+ * add a row): in 8-wide AVX2 one to four rows decode faster from the twin than from the floats,
+ * in the SSE2 baseline only one did (see docs/benchmarks.md). */
+enum { TwinMaxRows = 4 };
 
 /* Weight `s` of each of 8 columns' `word`: the products and the check below both compute it
  * here, so what the check compares is what the products multiply. (A macro: a function taking
@@ -221,31 +213,39 @@ static inline __attribute__((always_inline)) void twin_rows(const int M, const i
                                                              int n) {
     const int per = 32 / BITS;
     int whole = n / 8 * 8;
-    float *out0 = acc, *out1 = acc + (M > 1 ? n : 0);
+    float *out0 = acc, *out1 = acc + (M > 1 ? n : 0), *out2 = acc + (M > 2 ? 2 * n : 0),
+          *out3 = acc + (M > 3 ? 3 * n : 0);
     for (int k = k0; k < k1; k += per) {
         const uint32_t *words = t->words + (long)(k / per) * n;
         const float *scales = t->scales + (long)(k / t->group) * n, *biases = t->biases + (scales - t->scales);
-        const float *x0 = a + k, *x1 = a + (M > 1 ? lda : 0) + k;
+        const float *x0 = a + k, *x1 = a + (M > 1 ? lda : 0) + k, *x2 = a + (M > 2 ? 2 * lda : 0) + k,
+                    *x3 = a + (M > 3 ? 3 * lda : 0) + k;
         /* Named sums, not an array: an array of vectors went through the stack, and the
          * reload of a sum stored in halves stalled every column block. */
         for (int j = 0; j < whole; j += 8) {
             u8v word;
-            v8 sc, bi, c0 = {0}, c1 = {0};
+            v8 sc, bi, c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
             memcpy(&word, words + j, sizeof word);
             memcpy(&sc, scales + j, sizeof sc);
             memcpy(&bi, biases + j, sizeof bi);
             if (k > k0) {
                 memcpy(&c0, out0 + j, sizeof c0);
                 if (M > 1) memcpy(&c1, out1 + j, sizeof c1);
+                if (M > 2) memcpy(&c2, out2 + j, sizeof c2);
+                if (M > 3) memcpy(&c3, out3 + j, sizeof c3);
             }
 #pragma GCC unroll 16
             for (int s = 0; s < per; s++) {
                 v8 w = TWIN_WEIGHT(BITS, word, s, sc, bi);
                 c0 += x0[s] * w;
                 if (M > 1) c1 += x1[s] * w;
+                if (M > 2) c2 += x2[s] * w;
+                if (M > 3) c3 += x3[s] * w;
             }
             memcpy(out0 + j, &c0, sizeof c0);
             if (M > 1) memcpy(out1 + j, &c1, sizeof c1);
+            if (M > 2) memcpy(out2 + j, &c2, sizeof c2);
+            if (M > 3) memcpy(out3 + j, &c3, sizeof c3);
         }
         for (int j = whole; j < n; j++)
             for (int i = 0; i < M; i++) {
@@ -259,10 +259,12 @@ static inline __attribute__((always_inline)) void twin_rows(const int M, const i
 static inline __attribute__((always_inline)) void nn_run_twin_bits(const int BITS, int m, int k0, int k1,
                                                                     const float *a, int lda, const Twin *t,
                                                                     float *acc, int n) {
-    if (m == 1)
-        twin_rows(1, BITS, k0, k1, a, lda, t, acc, n);
-    else
-        twin_rows(2, BITS, k0, k1, a, lda, t, acc, n);
+    switch (m) {
+    case 1: twin_rows(1, BITS, k0, k1, a, lda, t, acc, n); break;
+    case 2: twin_rows(2, BITS, k0, k1, a, lda, t, acc, n); break;
+    case 3: twin_rows(3, BITS, k0, k1, a, lda, t, acc, n); break;
+    default: twin_rows(4, BITS, k0, k1, a, lda, t, acc, n); break;
+    }
 }
 
 /* acc (m x n, m <= TwinMaxRows) = A B over B's rows [k0, k1), B read from its twin. */
@@ -300,7 +302,7 @@ static inline __attribute__((always_inline)) int twin_matches_bits(const int BIT
 
 /* Whether every weight of the twin is the float32 matrix's, bit for bit, computed by the code
  * the products run (compiled for the same CPU). */
-__attribute__((target_clones("avx512f", "arch=haswell", "default"))) static int twin_matches(const Twin *t) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) static int twin_matches(const Twin *t) {
     switch (t->bits) {
     case 2: return twin_matches_bits(2, t);
     case 4: return twin_matches_bits(4, t);
@@ -311,16 +313,16 @@ __attribute__((target_clones("avx512f", "arch=haswell", "default"))) static int 
 /* Whether the twin's sums are the float kernel's, bit for bit, on this CPU's build: rows of
  * fixed values (1 to TwinMaxRows) over every run of K, through nn_run and through the twin. The
  * weights alone being equal is not enough: the two kernels are separate code, and a build that
- * fuses a multiply and add in one and not the other (an AVX-512 build contracts nn_run's
- * 16-wide sums but has no FMA for the twin's 8-wide ones) would sum the same weights to other
+ * fused a multiply and add in one and not the other (a compiler contracting nn_run's 16-wide
+ * sums where it has no FMA for the twin's 8-wide ones) would sum the same weights to other
  * bits. A twin whose sums differ here is refused: speed is given up, bits are not. */
-__attribute__((target_clones("avx512f", "arch=haswell", "default"))) static int twin_sums_match(const Twin *t) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) static int twin_sums_match(const Twin *t) {
     int ok = 1;
-    float *x = malloc(sizeof(float) * 2 * (size_t)t->k), *p = malloc(sizeof(float) * 2 * (size_t)t->n),
-          *q = malloc(sizeof(float) * 2 * (size_t)t->n);
+    float *x = malloc(sizeof(float) * TwinMaxRows * (size_t)t->k),
+          *p = malloc(sizeof(float) * TwinMaxRows * (size_t)t->n), *q = malloc(sizeof(float) * TwinMaxRows * (size_t)t->n);
     if (!x || !p || !q) ok = 0;
     unsigned r = 12345u;
-    for (int i = 0; ok && i < 2 * t->k; i++) {
+    for (int i = 0; ok && i < TwinMaxRows * t->k; i++) {
         r = r * 1664525u + 1013904223u;
         x[i] = (float)(int)(r >> 8) / (float)(1 << 23) - 1.0f;
     }
@@ -542,6 +544,26 @@ int parity_twin_of(const float *b) {
 /* Products of up to this many rows read a twin (a benchmark counts the bytes a step reads). */
 int parity_twin_max_rows(void) { return TwinMaxRows; }
 
+/* What a report's environment says of this file (src/environment.rs and ci/bench_mlx_lm.py
+ * read it): a baseline measured with other forwarding is refused against this one. */
+static char shim_label[256];
+static void label_shim(void) {
+    /* The clone the kernels run: target_clones picks the first one the CPU supports. */
+    __builtin_cpu_init();
+    char twins[64];
+    snprintf(twins, sizeof twins, "dequantized weights of 1-%d rows read from packed twins", TwinMaxRows);
+    const char *isa = __builtin_cpu_supports("avx512f") ? "AVX-512" : __builtin_cpu_supports("avx2") ? "AVX2" : "SSE2";
+    snprintf(shim_label, sizeof shim_label,
+             "1-12-row GEMM reading the weights once, split K in 8 runs by [in, out] weights and prefetched, %s, "
+             "other one-row GEMM as GEMV; %s kernels",
+             parity_twins_on() ? twins : "packed twins off", isa);
+}
+const char *parity_blas_shim(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    if (!parity_gemv_forward()) return "GEMM forwarding off";
+    pthread_once(&once, label_shim);
+    return shim_label;
+}
 
 /* C (m x n, ldc) = alpha A op(B) + beta C, A's rows contiguous; `scratch` (m x n) holds the
  * sums when beta != 0 (beta == 0 must not read C, see gemv above: then C itself holds them).
@@ -562,10 +584,15 @@ typedef struct {
 } Job;
 
 /* Part `t` of `parts` of a job (0 is the caller's): of a K-split job, the runs it claims; of
- * another, a run of the output's columns, a multiple of 16 wide. Compiled for AVX-512, AVX2 +
- * FMA and the baseline, chosen at load by the CPU; a sum is the same whichever part computes
- * it. */
-__attribute__((target_clones("avx512f", "arch=haswell", "default"))) static void part(const Job *j, int t) {
+ * another, a run of the output's columns, a multiple of 16 wide. Compiled for AVX-512, AVX2 and
+ * the baseline, chosen at load by the CPU's features. Not by its model: GCC 12 picks an
+ * "arch=haswell" clone only on Intel's Haswell-family models, so an AMD Zen or a newer Intel
+ * core without AVX-512 ran the SSE2 baseline, half the vector width. Every clone is built
+ * without contraction (-ffp-contract=off, ci/blas.sh), so each multiply and add rounds as in
+ * the baseline: a sum's bits are the same whichever clone, and whichever part, computes it, and
+ * a twin's weights are MLX's (scale * q, rounded, + bias, rounded; a clone fusing them into an
+ * FMA had every twin refused). */
+__attribute__((target_clones("avx512f", "avx2", "default"))) static void part(const Job *j, int t) {
     /* A side stops at the first run the other side claimed: past it, all are the other's. */
     while (j->partials) {
         int c = t == 0 ? atomic_fetch_add(j->front, 1) : atomic_fetch_sub(j->back, 1);
@@ -746,7 +773,7 @@ static void start_pool(void) {
 
 /* The output of a K-split job: its partials added in run order (a run too short to hold a
  * block of rows is empty, the same on every machine, and skipped). */
-__attribute__((target_clones("avx512f", "arch=haswell", "default"))) static void add_partials(const Job *j) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) static void add_partials(const Job *j) {
     long mn = (long)j->m * j->n;
     int used[KChunks], nused = 0;
     for (int c = 0; c < KChunks; c++)
