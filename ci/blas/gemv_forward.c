@@ -85,6 +85,9 @@ enum { MinForwardElements = 65536 };
  * stored [in, out], the logits it gets alone). */
 enum { MaxFewRows = 12, KRows = 4 };
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef unsigned u8v __attribute__((vector_size(32), aligned(4)));
+typedef int i8v __attribute__((vector_size(32), aligned(4)));
 
 /* acc (m x n) = A B over a run of B's rows stored [k][n], KRows rows at a time: the thread
  * streams KRows whole rows at once, and each element of acc gets its products in k's order,
@@ -122,23 +125,30 @@ static inline __attribute__((always_inline)) void nn_run(int m, int k, const flo
 
 /* The same over B's rows stored [n][k] (op(B) = B^T, as `x @ W.T` with W [out, in] arrives):
  * each output element is a dot product of two contiguous rows, summed in 16 lanes, then the
- * lanes in order, then the tail. */
+ * lanes in order, then the tail. The 16 lanes are two named 8-lane halves: as one 16-wide
+ * vector, GCC's AVX2 clone moved the sum through the stack in 16-byte pieces every step and
+ * reloaded it whole (a stalled store forward each time: mlx-lm's [out, in] products of 2 to
+ * 12 rows ran at 40% of the baseline clone's speed). */
 static inline __attribute__((always_inline)) void nt_columns(int m, int k, const float *a, int lda, const float *b,
                                                              int ldb, float *acc, int ldacc, int j0, int j1) {
     for (int j = j0; j < j1; j++) {
         const float *wr = b + (long)j * ldb;
         for (int i = 0; i < m; i++) {
             const float *ai = a + (long)i * lda;
-            v16 v = {0};
+            v8 lo = {0}, hi = {0};
             int q = 0;
             for (; q + 16 <= k; q += 16) {
-                v16 x, y;
-                memcpy(&x, wr + q, sizeof x);
-                memcpy(&y, ai + q, sizeof y);
-                v += x * y;
+                v8 x0, x1, y0, y1;
+                memcpy(&x0, wr + q, sizeof x0);
+                memcpy(&x1, wr + q + 8, sizeof x1);
+                memcpy(&y0, ai + q, sizeof y0);
+                memcpy(&y1, ai + q + 8, sizeof y1);
+                lo += x0 * y0;
+                hi += x1 * y1;
             }
             float c = 0.0f;
-            for (int l = 0; l < 16; l++) c += v[l];
+            for (int l = 0; l < 8; l++) c += lo[l];
+            for (int l = 0; l < 8; l++) c += hi[l];
             for (; q < k; q++) c += wr[q] * ai[q];
             acc[(long)i * ldacc + (j - j0)] = c;
         }
@@ -168,9 +178,6 @@ static int chunk_start(int k, int c) { return c == KChunks ? k : (int)((long)k *
  * Layout: the packed words transposed to [k / per_word][n] (per_word = 32 / bits weights of
  * one column a word) and scales and biases to [k / group][n], so a run of K rows is read as
  * contiguous rows, as nn_run reads the float32 matrix. */
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef unsigned u8v __attribute__((vector_size(32), aligned(4)));
-typedef int i8v __attribute__((vector_size(32), aligned(4)));
 typedef struct {
     const float *b; /* the float32 matrix [k][n] this twin stands for: the key */
     int k, n, group, bits;
