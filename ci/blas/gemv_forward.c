@@ -58,8 +58,6 @@ int parity_gemv_forward(void) {
     return on;
 }
 
-static int parity_twins_on(void);
-
 /* y = alpha * op(A) x + beta * y, with op(A) rows x cols. beta == 0 must not read y (GEMM
  * does not read C then, and MLX hands over uninitialised output): it is zeroed first. */
 static void gemv(int trans_a, int rows, int cols, float alpha, const float *a, int lda, const float *x, int incx,
