@@ -15,7 +15,8 @@
  * even at 16). By weights stored [in, out] (parity's) it takes one row too, split along K, and
  * while the caller runs the operations between two products a worker prefetches the next
  * matrix (see record_next). A matrix dequantized from a few bits can have its packed form
- * registered as its twin, and one-row products by it then read the twin (see Packed twins).
+ * registered as its twin, and products of up to TwinMaxRows rows by it then read the twin (see
+ * Packed twins).
  * Every other call, and every other BLAS symbol, is OpenBLAS's.
  *
  * Built by ci/blas.sh, which points the mlx-cpu wheel's libblas at it (parity's MLX and
@@ -167,8 +168,8 @@ static int chunk_start(int k, int c) { return c == KChunks ? k : (int)((long)k *
  * float32: MLX's CPU quantized matmul runs on one thread) has every float32 weight equal to
  * scale * q + bias for a small integer q. A decode step at batch 1 reads all of those floats;
  * the packed form is 5 to 6 bits a weight, not 32. parity registers the packed form of such a
- * matrix as the matrix's twin (parity_twin_packed), and a K-split product by the matrix then
- * reads the twin and computes every weight in registers. Each weight comes out the float it
+ * matrix as the matrix's twin (parity_twin_packed), and a K-split product of up to TwinMaxRows
+ * rows by the matrix then reads the twin and computes every weight in registers. Each weight comes out the float it
  * stands for (registration compares every one of them, bit for bit, with the float32 matrix,
  * and refuses a twin that differs in any), and each sum is the same float sequence in the same
  * order as nn_run's, so a product's bits do not change: only the bytes read do.
@@ -469,51 +470,6 @@ int parity_twin_packed(const float *b, int k, int n, const uint32_t *packed, con
         }
     }
     return twin_publish(t);
-}
-
-/* Register the twin of `b` ([k][n]) made of the twins of `parts` side by side, in order (a
- * matrix stacked from others along its columns). Returns 1 when in use, 0 when refused (a part
- * without a twin, twins that differ in k, group or bits, widths that do not add up to n). */
-int parity_twin_stack(const float *b, int k, int n, const float *const *parts, int count) {
-    if (!b || !parts || count <= 0) return 0;
-    Twin *held[count];
-    int ok = 1, width = 0;
-    for (int p = 0; p < count; p++) {
-        held[p] = NULL;
-        if (!ok || !parts[p]) {
-            ok = 0;
-            continue;
-        }
-        unsigned s = twin_slot(parts[p]);
-        for (unsigned i = 0; i < TwinSlots; i++) {
-            Twin *t = atomic_load(&twins[(s + i) % TwinSlots]);
-            if (!t) break;
-            if (t != Gone && t->b == parts[p]) {
-                held[p] = twin_acquire(parts[p], t->k, t->n, t->n);
-                break;
-            }
-        }
-        if (!held[p] || held[p]->k != k || held[p]->group != held[0]->group || held[p]->bits != held[0]->bits)
-            ok = 0;
-        else
-            width += held[p]->n;
-    }
-    Twin *t = ok && width == n ? twin_alloc(b, k, n, held[0]->group, held[0]->bits) : NULL;
-    if (t) {
-        int per = 32 / t->bits, j0 = 0;
-        for (int p = 0; p < count; p++) {
-            const Twin *h = held[p];
-            for (int w = 0; w < k / per; w++)
-                memcpy(t->words + (long)w * n + j0, h->words + (long)w * h->n, sizeof(uint32_t) * h->n);
-            for (int g = 0; g < k / t->group; g++) {
-                memcpy(t->scales + (long)g * n + j0, h->scales + (long)g * h->n, sizeof(float) * h->n);
-                memcpy(t->biases + (long)g * n + j0, h->biases + (long)g * h->n, sizeof(float) * h->n);
-            }
-            j0 += h->n;
-        }
-    }
-    for (int p = 0; p < count; p++) twin_release(held[p]);
-    return t ? twin_publish(t) : 0;
 }
 
 /* Unregister the twin of `b` (before `b` is freed: another matrix may come to live at its

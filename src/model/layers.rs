@@ -79,28 +79,48 @@ impl Linear {
         has_bias: bool,
         opts: &LoadOptions,
     ) -> Result<Self> {
+        Self::load_stored(w, quant, path, input, output, has_bias, opts)?.dequantized(w, opts)
+    }
+
+    /// As [`Linear::load`], quantized where the checkpoint is, whatever `opts.dequantize` says.
+    fn load_stored(
+        w: &mut WeightStore,
+        quant: Option<&Quantization>,
+        path: &str,
+        input: usize,
+        output: usize,
+        has_bias: bool,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
         let bias =
             if has_bias { Some(cast(w.take(&format!("{path}.bias"), Expect::float(&[output]))?, opts)?) } else { None };
         match quantized_spec(w, quant, path) {
             Some(spec) => {
                 let (weight, scales, biases) = load_packed(w, path, input, output, spec, opts)?;
-                // Not over placeholders: the load fails anyway, and an absurd shape must not
-                // be materialised.
-                if opts.dequantize && w.problems().is_empty() {
-                    let dense =
-                        mlx_rs::ops::dequantize(&weight, &scales, &biases, spec.group_size as i32, spec.bits as i32)?;
-                    // Materialised by the transpose: the cost belongs to loading, and the packed
-                    // form is freed (the BLAS keeps its own copy as the twin).
-                    let weight_t = transposed(w, &dense)?;
-                    let twin = Twin::packed(&weight_t, &weight, &scales, &biases, spec);
-                    return Ok(Linear::Dense { twin, weight_t, bias });
-                }
                 Ok(Linear::Quantized { weight, scales, biases, bias, spec })
             }
             None => {
                 let weight = cast(w.take(&format!("{path}.weight"), Expect::float(&[output, input]))?, opts)?;
                 Ok(Linear::Dense { twin: None, weight_t: transposed(w, &weight)?, bias })
             }
+        }
+    }
+
+    /// Dequantized to float32 `[in, out]` where the load asks for it, its packed form registered
+    /// as the matrix's twin; anything else as it is.
+    fn dequantized(self, w: &WeightStore, opts: &LoadOptions) -> Result<Self> {
+        match self {
+            // Not over placeholders: the load fails anyway, and an absurd shape must not be
+            // materialised.
+            Linear::Quantized { weight, scales, biases, bias, spec } if opts.dequantize && w.problems().is_empty() => {
+                let dense = mlx_rs::ops::dequantize(&weight, &scales, &biases, spec.group_size as i32, spec.bits as i32)?;
+                // Materialised by the transpose: the cost belongs to loading, and the packed form
+                // is freed (the BLAS keeps its own copy as the twin).
+                let weight_t = transposed(w, &dense)?;
+                let twin = Twin::packed(&weight_t, &weight, &scales, &biases, spec);
+                Ok(Linear::Dense { twin, weight_t, bias })
+            }
+            other => Ok(other),
         }
     }
 
@@ -156,7 +176,29 @@ pub enum Stacked {
 }
 
 impl Stacked {
-    pub fn new(parts: Vec<Linear>) -> Result<Self> {
+    /// `{path}` of each `(path, input, output)`, stacked as stored and then dequantized where the
+    /// load asks for it: quantized parts stack into one packed matrix, dequantized (and its twin
+    /// checked and registered) once, not part by part and again stacked.
+    pub fn load(
+        w: &mut WeightStore,
+        quant: Option<&Quantization>,
+        parts: &[(String, usize, usize)],
+        has_bias: bool,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
+        let stored = parts
+            .iter()
+            .map(|(path, input, output)| Linear::load_stored(w, quant, path, *input, *output, has_bias, opts))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(match Stacked::new(stored)? {
+            Stacked::One { linear, split_at } => Stacked::One { linear: linear.dequantized(w, opts)?, split_at },
+            Stacked::Many(parts) => {
+                Stacked::Many(parts.into_iter().map(|p| p.dequantized(w, opts)).collect::<Result<_>>()?)
+            }
+        })
+    }
+
+    fn new(parts: Vec<Linear>) -> Result<Self> {
         let mut split_at: Vec<i32> = Vec::with_capacity(parts.len());
         for p in &parts[..parts.len().saturating_sub(1)] {
             split_at.push(split_at.last().copied().unwrap_or(0) + p.outputs());
@@ -189,18 +231,9 @@ impl Stacked {
             })
             .collect();
         let linear = match (dense, quantized) {
-            (Some(weights), _) => {
-                let weight_t = stack_on(weights, 1)?;
-                let twins: Option<Vec<&Twin>> = parts
-                    .iter()
-                    .map(|p| match p {
-                        Linear::Dense { twin, .. } => twin.as_ref(),
-                        Linear::Quantized { .. } => None,
-                    })
-                    .collect();
-                let twin = twins.and_then(|t| Twin::stack(&weight_t, &t));
-                Linear::Dense { twin, weight_t, bias }
-            }
+            // Float parts of a float checkpoint: a dequantized checkpoint's parts are stacked
+            // packed, before they are dequantized (see `Stacked::load`).
+            (Some(weights), _) => Linear::Dense { twin: None, weight_t: stack_on(weights, 1)?, bias },
             (None, Some(q)) if q.iter().all(|x| x.3 == q[0].3) => Linear::Quantized {
                 weight: stack(q.iter().map(|x| x.0).collect())?,
                 scales: stack(q.iter().map(|x| x.1).collect())?,
@@ -220,7 +253,7 @@ impl Stacked {
         }
     }
 
-    /// Each projection of `x`, in the order given to [`Stacked::new`].
+    /// Each projection of `x`, in the order given to [`Stacked::load`].
     pub fn forward(&self, x: &Array) -> Result<Vec<Array>> {
         match self {
             // Slices, not `split`: MLX 0.32's CUDA RoPE allocates its output at a split
@@ -449,10 +482,9 @@ impl Mlp {
     ) -> Result<Self> {
         let (quant, hidden, intermediate, bias) =
             (c.quantization.as_ref(), c.hidden_size, c.intermediate_size, c.mlp_bias);
-        let gate = Linear::load(w, quant, &format!("{path}.gate_proj"), hidden, intermediate, bias, opts)?;
-        let up = Linear::load(w, quant, &format!("{path}.up_proj"), hidden, intermediate, bias, opts)?;
+        let parts = ["gate_proj", "up_proj"].map(|p| (format!("{path}.{p}"), hidden, intermediate));
         Ok(Mlp {
-            gate_up: Stacked::new(vec![gate, up])?,
+            gate_up: Stacked::load(w, quant, &parts, bias, opts)?,
             down: Linear::load(w, quant, &format!("{path}.down_proj"), intermediate, hidden, bias, opts)?,
             activation,
         })

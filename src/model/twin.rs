@@ -23,7 +23,6 @@ use mlx_rs::{Array, Dtype};
 use crate::checkpoint::QuantSpec;
 
 type PackedFn = unsafe extern "C" fn(*const f32, i32, i32, *const u32, *const f32, *const f32, i32, i32) -> i32;
-type StackFn = unsafe extern "C" fn(*const f32, i32, i32, *const *const f32, i32) -> i32;
 type DropFn = unsafe extern "C" fn(*const f32);
 type OfFn = unsafe extern "C" fn(*const f32) -> i32;
 type MaxRowsFn = unsafe extern "C" fn() -> i32;
@@ -31,7 +30,6 @@ type MaxRowsFn = unsafe extern "C" fn() -> i32;
 /// The shim's entry points, looked up once in the loaded objects.
 struct Shim {
     packed: PackedFn,
-    stack: StackFn,
     drop: DropFn,
     of: OfFn,
     max_rows: MaxRowsFn,
@@ -45,9 +43,8 @@ fn shim() -> Option<&'static Shim> {
             let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
             (!f.is_null()).then_some(f)
         };
-        let (packed, stack, drop, of, max_rows) = (
+        let (packed, drop, of, max_rows) = (
             symbol(c"parity_twin_packed")?,
-            symbol(c"parity_twin_stack")?,
             symbol(c"parity_twin_drop")?,
             symbol(c"parity_twin_of")?,
             symbol(c"parity_twin_max_rows")?,
@@ -56,7 +53,6 @@ fn shim() -> Option<&'static Shim> {
         unsafe {
             Some(Shim {
                 packed: std::mem::transmute::<*mut libc::c_void, PackedFn>(packed),
-                stack: std::mem::transmute::<*mut libc::c_void, StackFn>(stack),
                 drop: std::mem::transmute::<*mut libc::c_void, DropFn>(drop),
                 of: std::mem::transmute::<*mut libc::c_void, OfFn>(of),
                 max_rows: std::mem::transmute::<*mut libc::c_void, MaxRowsFn>(max_rows),
@@ -106,19 +102,6 @@ impl Twin {
         let ok = unsafe { (shim.packed)(key, k as i32, n as i32, p.as_ptr(), s.as_ptr(), b.as_ptr(), group, bits) };
         let bytes = (p.len() * 4 + s.len() * 4 + b.len() * 4) as u64;
         (ok == 1).then_some(Twin { key, bytes })
-    }
-
-    /// The twin of `weight_t`, stacked along its columns from matrices that have twins, in
-    /// order (see [`super::layers::Stacked`]).
-    pub fn stack(weight_t: &Array, parts: &[&Twin]) -> Option<Twin> {
-        let shim = shim()?;
-        let (k, n) = matrix(weight_t)?;
-        let key = weight_t.as_slice::<f32>().as_ptr();
-        let keys: Vec<*const f32> = parts.iter().map(|t| t.key).collect();
-        // SAFETY: `keys` holds `parts.len()` pointers; the shim only compares them with its
-        // registered keys.
-        let ok = unsafe { (shim.stack)(key, k as i32, n as i32, keys.as_ptr(), keys.len() as i32) };
-        (ok == 1).then_some(Twin { key, bytes: parts.iter().map(|t| t.bytes).sum() })
     }
 
     /// Bytes a product reads from this twin.
@@ -174,7 +157,8 @@ mod tests {
     use mlx_rs::ops::indexing::IndexOp;
 
     use super::*;
-    use crate::model::layers::{Linear, Stacked};
+    use crate::checkpoint::{Quantization, WeightStore};
+    use crate::model::layers::{Linear, LoadOptions, Stacked};
 
     /// A random `[n, k]` matrix quantized as MLX quantizes a checkpoint, and its dequantized
     /// float32 transpose `[k, n]`, made contiguous as parity's loader makes it.
@@ -250,31 +234,48 @@ mod tests {
         assert_eq!(Twin::of(&w), Some(false), "no twin left behind the first");
     }
 
-    /// q, k and v (and gate and up) run as one stacked matmul: its twin is the parts' twins side
-    /// by side, and its products are the stacked floats' to the bit.
+    /// q, k and v (and gate and up) run as one stacked matmul. Loaded dequantized, the parts are
+    /// stacked packed and dequantized once: the stacked floats are the parts' floats side by
+    /// side to the bit, one twin stands for them, and its products are the floats'.
     #[test]
-    fn a_stacked_matrix_gets_its_parts_twins_side_by_side() {
+    fn a_stacked_matrix_is_dequantized_once_with_one_twin() {
         crate::environment::use_device(crate::environment::DeviceChoice::Cpu).expect("the CPU is always there");
         if !Twin::available() {
             return;
         }
         let spec = QuantSpec { group_size: 32, bits: 4 };
-        let part = |n: i32| {
+        let dir = std::env::temp_dir().join(format!("parity-stacked-twin-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut tensors: Vec<(String, Array)> = Vec::new();
+        let mut floats: Vec<Array> = Vec::new();
+        for (name, n) in [("q", 576), ("k", 192), ("v", 192)] {
             let (w, [q, s, b]) = quantized(576, n, spec);
-            let twin = Twin::packed(&w, &q, &s, &b, spec);
-            assert!(twin.is_some());
-            Linear::Dense { twin, weight_t: w, bias: None }
-        };
-        let stacked = Stacked::new(vec![part(576), part(192), part(192)]).unwrap();
+            floats.push(w);
+            for (t, a) in [("weight", q), ("scales", s), ("biases", b)] {
+                tensors.push((format!("l.{name}.{t}"), a));
+            }
+        }
+        Array::save_safetensors(tensors.iter().map(|(n, a)| (n.as_str(), a)), None, dir.join("model.safetensors"))
+            .unwrap();
+        let mut w = WeightStore::load(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let quant = Quantization { default: spec, overrides: Default::default() };
+        let opts = LoadOptions { compute: Some(Dtype::Float32), dequantize: true };
+        let parts = [("q", 576), ("k", 192), ("v", 192)].map(|(p, n)| (format!("l.{p}"), 576, n));
+        let stacked = Stacked::load(&mut w, Some(&quant), &parts, false, &opts).unwrap();
         let Stacked::One { linear: Linear::Dense { twin, weight_t, .. }, .. } = &stacked else {
-            panic!("three dense parts stack into one matmul")
+            panic!("three parts of one packing stack into one float32 matmul")
         };
+        let side_by_side = mlx_rs::ops::concatenate(&floats.iter().collect::<Vec<_>>(), 1).unwrap();
+        let bits = |a: &Array| a.as_slice::<f32>().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert!(bits(weight_t) == bits(&side_by_side), "the stacked floats are the parts' floats");
         assert!(twin.is_some(), "the stacked matrix has a twin");
         assert_eq!(twin.as_ref().map(Twin::nbytes), Some((576 * 960 / 2 + 2 * 18 * 960 * 4) as u64));
-        let x = mlx_rs::random::normal::<f32>(&[1, 576], None, None, None).unwrap();
-        let through = product(&x, 1, weight_t);
-        let floats = weight_t.as_slice::<f32>().to_vec();
-        let copy = Array::from_slice(&floats, &[576, 960]);
-        assert!(product(&x, 1, &copy) == through, "the stacked twin's product is the floats'");
+        let rows = Twin::max_rows() as i32;
+        let x = mlx_rs::random::normal::<f32>(&[rows, 576], None, None, None).unwrap();
+        let copy = Array::from_slice(&weight_t.as_slice::<f32>().to_vec(), &[576, 960]);
+        for m in 1..=rows {
+            assert!(product(&x, m, weight_t) == product(&x, m, &copy), "the stacked twin's product, {m} rows");
+        }
     }
 }

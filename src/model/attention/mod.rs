@@ -136,11 +136,10 @@ impl Attention {
                 Ok(None)
             }
         };
-        let q_proj = Linear::load(w, q, &format!("{path}.q_proj"), c.hidden_size, h * d, bias, opts)?;
-        let k_proj = Linear::load(w, q, &format!("{path}.k_proj"), c.hidden_size, kvh * d, bias, opts)?;
-        let v_proj = Linear::load(w, q, &format!("{path}.v_proj"), c.hidden_size, kvh * d, bias, opts)?;
+        let qkv = [("q_proj", h * d), ("k_proj", kvh * d), ("v_proj", kvh * d)]
+            .map(|(p, out)| (format!("{path}.{p}"), c.hidden_size, out));
         Ok(Attention {
-            qkv: Stacked::new(vec![q_proj, k_proj, v_proj])?,
+            qkv: Stacked::load(w, q, &qkv, bias, opts)?,
             o_proj: Linear::load(w, q, &format!("{path}.o_proj"), h * d, c.hidden_size, bias, opts)?,
             q_norm: norm(w, "q_norm")?,
             k_norm: norm(w, "k_norm")?,
