@@ -79,25 +79,12 @@ impl Linear {
         has_bias: bool,
         opts: &LoadOptions,
     ) -> Result<Self> {
-        Self::load_stored(w, quant, path, input, output, has_bias, opts)?.dequantized(w, opts)
-    }
-
-    /// As [`Linear::load`], quantized where the checkpoint is, whatever `opts.dequantize` says.
-    fn load_stored(
-        w: &mut WeightStore,
-        quant: Option<&Quantization>,
-        path: &str,
-        input: usize,
-        output: usize,
-        has_bias: bool,
-        opts: &LoadOptions,
-    ) -> Result<Self> {
         let bias =
             if has_bias { Some(cast(w.take(&format!("{path}.bias"), Expect::float(&[output]))?, opts)?) } else { None };
         match quantized_spec(w, quant, path) {
             Some(spec) => {
                 let (weight, scales, biases) = load_packed(w, path, input, output, spec, opts)?;
-                Ok(Linear::Quantized { weight, scales, biases, bias, spec })
+                Linear::Quantized { weight, scales, biases, bias, spec }.dequantized(w, opts)
             }
             None => {
                 let weight = cast(w.take(&format!("{path}.weight"), Expect::float(&[output, input]))?, opts)?;
@@ -113,7 +100,8 @@ impl Linear {
             // Not over placeholders: the load fails anyway, and an absurd shape must not be
             // materialised.
             Linear::Quantized { weight, scales, biases, bias, spec } if opts.dequantize && w.problems().is_empty() => {
-                let dense = mlx_rs::ops::dequantize(&weight, &scales, &biases, spec.group_size as i32, spec.bits as i32)?;
+                let dense =
+                    mlx_rs::ops::dequantize(&weight, &scales, &biases, spec.group_size as i32, spec.bits as i32)?;
                 // Materialised by the transpose: the cost belongs to loading, and the packed form
                 // is freed (the BLAS keeps its own copy as the twin).
                 let weight_t = transposed(w, &dense)?;
@@ -186,9 +174,10 @@ impl Stacked {
         has_bias: bool,
         opts: &LoadOptions,
     ) -> Result<Self> {
+        let as_stored = LoadOptions { dequantize: false, ..*opts };
         let stored = parts
             .iter()
-            .map(|(path, input, output)| Linear::load_stored(w, quant, path, *input, *output, has_bias, opts))
+            .map(|(path, input, output)| Linear::load(w, quant, path, *input, *output, has_bias, &as_stored))
             .collect::<Result<Vec<_>>>()?;
         Ok(match Stacked::new(stored)? {
             Stacked::One { linear, split_at } => Stacked::One { linear: linear.dequantized(w, opts)?, split_at },
