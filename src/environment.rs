@@ -552,6 +552,27 @@ mod tests {
         }
     }
 
+    /// Products of 13 to 64 rows by weights stored `[in, out]` (a short prompt's prefill) run
+    /// in the shim's FMA panels: every output element is one fused multiply-add chain over k in
+    /// order, from zero. So a prompt's row gets the same sums next to 12 or 63 others, on an
+    /// AVX-512 or an AVX2 core alike. Checked against that chain computed here: a panel that
+    /// split a sum, reordered it or rounded a product apart fails.
+    #[test]
+    fn a_prefill_rows_product_is_one_fused_chain_next_to_13_to_64_rows() {
+        if !blas().is_some_and(|b| b.contains("FMA panels")) {
+            return;
+        }
+        let (k, n) = (577, 160);
+        let weights = values(n * k, 3);
+        let w = Array::from_slice(&weights, &[k as i32, n as i32]);
+        let rows = values(64 * k, 5);
+        let chain: Vec<u32> =
+            (0..n).map(|j| (0..k).fold(0.0f32, |s, q| rows[q].mul_add(weights[q * n + j], s)).to_bits()).collect();
+        for m in [13, 14, 29, 40, 63, 64] {
+            assert_eq!(first_row_of(&w, &rows, m), chain, "row 0 of a {m}-row product");
+        }
+    }
+
     /// A 577 x 160 matrix stored `[in, out]` and the same stored `[out, in]`, multiplied
     /// transposed (`x @ W.T`).
     fn few_row_weights() -> [Array; 2] {
@@ -571,17 +592,20 @@ mod tests {
     }
 
     /// The shim's sums do not depend on how many threads it runs: a K-split product cuts K in
-    /// runs fixed by K alone and adds them in one order whichever thread computed each, so a
+    /// runs fixed by K alone and adds them in one order whichever thread computed each (and a
+    /// panel product, 13 to 64 rows, sums each element in one chain whoever runs it), so a
     /// row's logits are the same on a 2-core CI runner and a 16-core workstation. Each thread
     /// count runs in its own child (the shim's pool is sized once, from
     /// `OPENBLAS_NUM_THREADS`, when it starts); a split tied to the thread count fails here.
     #[test]
     fn a_rows_product_is_the_same_on_1_2_and_4_threads() {
         const DUMP: &str = "PARITY_TEST_PRODUCT_BITS";
-        let rows = values(12 * 577, 5);
+        let rows = values(64 * 577, 5);
         if std::env::var_os(DUMP).is_some() {
-            for weights in few_row_weights() {
-                for m in [1, 2, 12] {
+            for (weights, panels) in few_row_weights().into_iter().zip([true, false]) {
+                // [out, in] weights go to OpenBLAS past 12 rows: not the shim's to promise.
+                let counts: &[usize] = if panels { &[1, 2, 12, 13, 64] } else { &[1, 2, 12] };
+                for &m in counts {
                     println!("{DUMP} {m} {:?}", first_row_of(&weights, &rows, m));
                 }
             }
@@ -603,7 +627,7 @@ mod tests {
             // libtest's own "test ... " may precede the first line.
             let stdout = String::from_utf8_lossy(&out.stdout);
             let lines: Vec<String> = stdout.lines().filter_map(|l| l.find(DUMP).map(|at| l[at..].to_string())).collect();
-            assert_eq!(lines.len(), 6, "{threads} threads printed {} products", lines.len());
+            assert_eq!(lines.len(), 8, "{threads} threads printed {} products", lines.len());
             lines
         };
         let one = dump(1);

@@ -16,7 +16,8 @@
  * while the caller runs the operations between two products a worker prefetches the next
  * matrix (see record_next). A matrix dequantized from a few bits can have its packed form
  * registered as its twin, and products of up to TwinMaxRows rows by it then read the twin (see
- * Packed twins).
+ * Packed twins). Products of 13 to 64 rows (a prefill of a short prompt) by [in, out] weights
+ * run in FMA panels that copy nothing (see MaxPanelRows).
  * Every other call, and every other BLAS symbol, is OpenBLAS's.
  *
  * Built by ci/blas.sh, which points the mlx-cpu wheel's libblas at it (parity's MLX and
@@ -87,6 +88,8 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef unsigned u8v __attribute__((vector_size(32), aligned(4)));
 typedef int i8v __attribute__((vector_size(32), aligned(4)));
+typedef unsigned u16v __attribute__((vector_size(64), aligned(4)));
+typedef int i16v __attribute__((vector_size(64), aligned(4)));
 
 /* acc (m x n) = A B over a run of B's rows stored [k][n], KRows rows at a time: the thread
  * streams KRows whole rows at once, and each element of acc gets its products in k's order,
@@ -154,6 +157,127 @@ static inline __attribute__((always_inline)) void nt_columns(int m, int k, const
     }
 }
 
+/* Products of MaxFewRows + 1 to MaxPanelRows rows by a matrix stored [k][n] (a prefill of a
+ * few dozen tokens by parity's [in, out] weights). OpenBLAS packs the whole weight matrix on
+ * every call, and at these row counts the copy costs as much as the arithmetic: its time was
+ * flat from 4 to 32 rows (ci/blas/bench_sgemm.c). Here each thread takes a run of columns and
+ * walks it PanelK rows of the matrix at a time, in panels a few vectors wide: while a panel's
+ * blocks of rows run, the next panel's weights are prefetched (a panel's rows are a matrix row
+ * apart, too far apart for the hardware's prefetcher), and nothing is copied.
+ *
+ * Every output element is one fused multiply-add chain over k in order, from zero, held in C
+ * between runs of PanelK (a float32 sum stored and loaded is the same float): its bits depend
+ * on neither the panel width nor the block of rows nor the thread, so AVX-512 and AVX2 machines
+ * compute the same floats, and a prompt's row gets the same sums next to any number of others in
+ * that range. A CPU without FMA, and a call with alpha != 1 or beta != 0, stay OpenBLAS's. */
+enum { MaxPanelRows = 64, PanelK = 64 };
+#include <immintrin.h>
+
+/* One column at a time: the tail of a run narrower than a vector. */
+__attribute__((target("fma"))) static void panel_scalar(int m, int k, const float *a, int lda, const float *b,
+                                                        int ldb, float *c, int ldc, int j0, int j1) {
+    for (int j = j0; j < j1; j++)
+        for (int i = 0; i < m; i++) {
+            float s = 0.0f;
+            for (int q = 0; q < k; q++) s = __builtin_fmaf(a[(long)i * lda + q], b[(long)q * ldb + j], s);
+            c[(long)i * ldc + j] = s;
+        }
+}
+
+/* A block of R rows by V vectors of W lanes over B's rows [k0, k1), as a macro (VEC, LOAD,
+ * STORE, FMA, SET1 name the ISA's operations) so that each ISA's function holds its own copy
+ * with R and V known. Each step also prefetches a row of the next panel's weights (`pf`, `pfn`
+ * rows, `pfw` floats wide): spread over the steps, the loads never wait for a burst of them. */
+#define PANEL_BLOCK(R, V, W, VEC, LOAD, STORE, FMA, SET1)                                                            \
+    do {                                                                                                              \
+        VEC acc[R][V];                                                                                                \
+        for (int i = 0; i < (R); i++)                                                                                 \
+            for (int v = 0; v < (V); v++)                                                                             \
+                acc[i][v] = k0 == 0 ? SET1(0.0f) : LOAD(c + (long)(i0 + i) * ldc + j + v * (W));                     \
+        for (int q = k0; q < k1; q++) {                                                                               \
+            const float *bq = b + (long)q * ldb + j;                                                                  \
+            if (q - k0 < pfn)                                                                                         \
+                for (int f = 0; f < pfw; f += 16) _mm_prefetch((const char *)(pf + (long)(q - k0) * ldb + f), _MM_HINT_T0); \
+            VEC bv[V];                                                                                                \
+            for (int v = 0; v < (V); v++) bv[v] = LOAD(bq + v * (W));                                                 \
+            for (int i = 0; i < (R); i++) {                                                                           \
+                VEC ai = SET1(a[(long)(i0 + i) * lda + q]);                                                           \
+                for (int v = 0; v < (V); v++) acc[i][v] = FMA(ai, bv[v], acc[i][v]);                                  \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (int i = 0; i < (R); i++)                                                                                 \
+            for (int v = 0; v < (V); v++) STORE(c + (long)(i0 + i) * ldc + j + v * (W), acc[i][v]);                   \
+    } while (0)
+
+/* The panel V vectors wide at column j over B's rows [k0, k1): the rows cut into as few blocks
+ * of at most MAXR as hold them, of sizes differing by one at most (a block of one or two rows
+ * has too few independent sums to keep the FMA units busy). */
+#define PANEL(MAXR, V, W, VEC, LOAD, STORE, FMA, SET1)                                                                \
+    do {                                                                                                              \
+        int nj = j + (V) * (W), nk0 = k0;                                                                             \
+        if (nj + (V) * (W) > jv) nj = j0, nk0 = k1;                                                                   \
+        const float *pf = b + (long)nk0 * ldb + nj;                                                                   \
+        int pfn = nk0 < k ? (k - nk0 < PanelK ? k - nk0 : PanelK) : 0, pfw = (V) * (W);                              \
+        for (int q = 0; q < pfn; q++)                                                                                 \
+            for (int f = 0; f < pfw; f += 16) _mm_prefetch((const char *)(pf + (long)q * ldb + f), _MM_HINT_T0);     \
+        pfn = 0;                                                                                                      \
+        int blocks = (m + (MAXR) - 1) / (MAXR);                                                                       \
+        for (int bl = 0, i0 = 0; bl < blocks; bl++) {                                                                 \
+            int r = m / blocks + (bl < m % blocks);                                                                   \
+            switch (r) {                                                                                              \
+            case 1: PANEL_BLOCK(1, V, W, VEC, LOAD, STORE, FMA, SET1); break;                                        \
+            case 2: PANEL_BLOCK(2, V, W, VEC, LOAD, STORE, FMA, SET1); break;                                        \
+            case 3: PANEL_BLOCK(3, V, W, VEC, LOAD, STORE, FMA, SET1); break;                                        \
+            case 4: PANEL_BLOCK(4, V, W, VEC, LOAD, STORE, FMA, SET1); break;                                        \
+            case 5: PANEL_BLOCK(5, V, W, VEC, LOAD, STORE, FMA, SET1); break;                                        \
+            case 6: PANEL_BLOCK(6, V, W, VEC, LOAD, STORE, FMA, SET1); break;                                        \
+            case 7: PANEL_BLOCK((MAXR) < 7 ? (MAXR) : 7, V, W, VEC, LOAD, STORE, FMA, SET1); break;                   \
+            default: PANEL_BLOCK(MAXR, V, W, VEC, LOAD, STORE, FMA, SET1); break;                                    \
+            }                                                                                                         \
+            i0 += r;                                                                                                  \
+            pfn = 0; /* the first block's steps prefetched the whole next panel */                                    \
+        }                                                                                                             \
+    } while (0)
+
+/* The tail narrower than a vector is summed column by column after the vector runs, as one
+ * chain over all of k: its partial sums are not kept in C between runs. */
+#define PANEL_ALL(MAXR, WIDE, W, VEC, LOAD, STORE, FMA, SET1)                                                         \
+    int jv = j0 + (j1 - j0) / ((WIDE) * (W)) * ((WIDE) * (W));                                                        \
+    for (int k0 = 0; k0 < k; k0 += PanelK) {                                                                          \
+        int k1 = k0 + PanelK < k ? k0 + PanelK : k;                                                                   \
+        for (int j = j0; j < jv; j += (WIDE) * (W)) PANEL(MAXR, WIDE, W, VEC, LOAD, STORE, FMA, SET1);                \
+    }                                                                                                                 \
+    panel_scalar(m, k, a, lda, b, ldb, c, ldc, jv, j1)
+
+/* AVX-512: blocks of up to 8 rows by 32 columns, 16 sums in registers of 32. */
+__attribute__((target("avx512f,fma"))) static void panel_avx512(int m, int k, const float *a, int lda,
+                                                                const float *b, int ldb, float *c, int ldc,
+                                                                int j0, int j1) {
+    PANEL_ALL(8, 2, 16, __m512, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps, _mm512_set1_ps);
+}
+
+/* AVX2: blocks of up to 6 rows by 16 columns, 12 sums in registers of 16. */
+__attribute__((target("avx2,fma"))) static void panel_avx2(int m, int k, const float *a, int lda, const float *b,
+                                                           int ldb, float *c, int ldc, int j0, int j1) {
+    PANEL_ALL(6, 2, 8, __m256, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps);
+}
+
+typedef void (*panel_fn)(int, int, const float *, int, const float *, int, float *, int, int, int);
+
+/* The panel kernel for this CPU, or NULL (no FMA: OpenBLAS keeps these products). */
+static panel_fn panel_picked;
+static void pick_panel(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("fma")) return;
+    if (__builtin_cpu_supports("avx512f")) panel_picked = panel_avx512;
+    else if (__builtin_cpu_supports("avx2")) panel_picked = panel_avx2;
+}
+static panel_fn panel_kernel(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, pick_panel);
+    return panel_picked;
+}
+
 /* Products of 1 to MaxFewRows rows by a matrix stored [k][n] (parity's [in, out] weights) are
  * split along K, not the columns: K is cut into KChunks runs of whole rows (multiples of 16,
  * fixed by k alone), each summed from zero in k's order into a partial output, and the
@@ -194,8 +318,9 @@ enum { TwinMaxRows = 4 };
 /* Weight `s` of each of 8 columns' `word`: the products and the check below both compute it
  * here, so what the check compares is what the products multiply. (A macro: a function taking
  * or returning AVX vectors is not one ABI across the clones.) */
-#define TWIN_WEIGHT(BITS, word, s, sc, bi)                                                                        \
-    ((sc) * __builtin_convertvector((i8v)(((word) >> (unsigned)((BITS) * (s))) & ((1u << (BITS)) - 1)), v8) + (bi))
+#define TWIN_WEIGHT_OF(VI, VF, BITS, word, s, sc, bi)                                                             \
+    ((sc) * __builtin_convertvector((VI)(((word) >> (unsigned)((BITS) * (s))) & ((1u << (BITS)) - 1)), VF) + (bi))
+#define TWIN_WEIGHT(BITS, word, s, sc, bi) TWIN_WEIGHT_OF(i8v, v8, BITS, word, s, sc, bi)
 
 /* The weight at row k, column j, for columns past the last whole 8. */
 static inline __attribute__((always_inline)) float twin_weight1(const Twin *t, int k, int j) {
@@ -205,20 +330,49 @@ static inline __attribute__((always_inline)) float twin_weight1(const Twin *t, i
     return t->scales[(long)(k / t->group) * t->n + j] * q + t->biases[(long)(k / t->group) * t->n + j];
 }
 
+/* Columns [from, to) of one word's rows in vectors of L lanes (VF, VU, VI: float, unsigned and
+ * int vectors of L lanes). Named sums, not an array: an array of vectors went through the
+ * stack, and the reload of a sum stored in halves stalled every column block. */
+#define TWIN_COLUMNS(VF, VU, VI, L, from, to)                                                                         \
+    for (int j = (from); j < (to); j += (L)) {                                                                        \
+        VU word;                                                                                                      \
+        VF sc, bi, c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};                                                            \
+        memcpy(&word, words + j, sizeof word);                                                                        \
+        memcpy(&sc, scales + j, sizeof sc);                                                                           \
+        memcpy(&bi, biases + j, sizeof bi);                                                                           \
+        if (k > k0) {                                                                                                 \
+            memcpy(&c0, out0 + j, sizeof c0);                                                                         \
+            if (M > 1) memcpy(&c1, out1 + j, sizeof c1);                                                              \
+            if (M > 2) memcpy(&c2, out2 + j, sizeof c2);                                                              \
+            if (M > 3) memcpy(&c3, out3 + j, sizeof c3);                                                              \
+        }                                                                                                             \
+        _Pragma("GCC unroll 16") for (int s = 0; s < per; s++) {                                                      \
+            VF w = TWIN_WEIGHT_OF(VI, VF, BITS, word, s, sc, bi);                                                     \
+            c0 += x0[s] * w;                                                                                          \
+            if (M > 1) c1 += x1[s] * w;                                                                               \
+            if (M > 2) c2 += x2[s] * w;                                                                               \
+            if (M > 3) c3 += x3[s] * w;                                                                               \
+        }                                                                                                             \
+        memcpy(out0 + j, &c0, sizeof c0);                                                                             \
+        if (M > 1) memcpy(out1 + j, &c1, sizeof c1);                                                                  \
+        if (M > 2) memcpy(out2 + j, &c2, sizeof c2);                                                                  \
+        if (M > 3) memcpy(out3 + j, &c3, sizeof c3);                                                                  \
+    }
+
 /* acc (M x n) = A B over B's rows [k0, k1), for M of 1 to TwinMaxRows, B read from its twin a
  * word's rows at a time (per_word rows of B), every column of them, as nn_run reads KRows rows
  * of floats: the twin is read in a few sequential streams. (Going down a block of columns
  * through all of a run's rows instead jumps a twin row ahead each word, a stream for every row,
  * more than the prefetchers follow: half the speed.) Each weight is computed in registers and
  * used for every row of A at once; each output element is summed from zero in k's order, one
- * product at a time, exactly as nn_run sums it. k0 and k1 are multiples of the weights a word
- * holds (runs start at multiples of 16, and a twin's k is one), and a word never spans two
- * groups. */
-static inline __attribute__((always_inline)) void twin_rows(const int M, const int BITS, int k0, int k1,
-                                                             const float *a, int lda, const Twin *t, float *acc,
-                                                             int n) {
+ * product at a time, exactly as nn_run sums it, so the lanes a vector holds (16 with WIDE, on
+ * an AVX-512 core, else 8) change no sum. k0 and k1 are multiples of the weights a word holds
+ * (runs start at multiples of 16, and a twin's k is one), and a word never spans two groups. */
+static inline __attribute__((always_inline)) void twin_rows(const int M, const int BITS, const int WIDE, int k0,
+                                                             int k1, const float *a, int lda, const Twin *t,
+                                                             float *acc, int n) {
     const int per = 32 / BITS;
-    int whole = n / 8 * 8;
+    int wide = WIDE ? n / 16 * 16 : 0, whole = n / 8 * 8;
     float *out0 = acc, *out1 = acc + (M > 1 ? n : 0), *out2 = acc + (M > 2 ? 2 * n : 0),
           *out3 = acc + (M > 3 ? 3 * n : 0);
     for (int k = k0; k < k1; k += per) {
@@ -226,33 +380,8 @@ static inline __attribute__((always_inline)) void twin_rows(const int M, const i
         const float *scales = t->scales + (long)(k / t->group) * n, *biases = t->biases + (scales - t->scales);
         const float *x0 = a + k, *x1 = a + (M > 1 ? lda : 0) + k, *x2 = a + (M > 2 ? 2 * lda : 0) + k,
                     *x3 = a + (M > 3 ? 3 * lda : 0) + k;
-        /* Named sums, not an array: an array of vectors went through the stack, and the
-         * reload of a sum stored in halves stalled every column block. */
-        for (int j = 0; j < whole; j += 8) {
-            u8v word;
-            v8 sc, bi, c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
-            memcpy(&word, words + j, sizeof word);
-            memcpy(&sc, scales + j, sizeof sc);
-            memcpy(&bi, biases + j, sizeof bi);
-            if (k > k0) {
-                memcpy(&c0, out0 + j, sizeof c0);
-                if (M > 1) memcpy(&c1, out1 + j, sizeof c1);
-                if (M > 2) memcpy(&c2, out2 + j, sizeof c2);
-                if (M > 3) memcpy(&c3, out3 + j, sizeof c3);
-            }
-#pragma GCC unroll 16
-            for (int s = 0; s < per; s++) {
-                v8 w = TWIN_WEIGHT(BITS, word, s, sc, bi);
-                c0 += x0[s] * w;
-                if (M > 1) c1 += x1[s] * w;
-                if (M > 2) c2 += x2[s] * w;
-                if (M > 3) c3 += x3[s] * w;
-            }
-            memcpy(out0 + j, &c0, sizeof c0);
-            if (M > 1) memcpy(out1 + j, &c1, sizeof c1);
-            if (M > 2) memcpy(out2 + j, &c2, sizeof c2);
-            if (M > 3) memcpy(out3 + j, &c3, sizeof c3);
-        }
+        if (WIDE) TWIN_COLUMNS(v16, u16v, i16v, 16, 0, wide)
+        TWIN_COLUMNS(v8, u8v, i8v, 8, wide, whole)
         for (int j = whole; j < n; j++)
             for (int i = 0; i < M; i++) {
                 float c = k > k0 ? acc[(long)i * n + j] : 0.0f;
@@ -262,14 +391,30 @@ static inline __attribute__((always_inline)) void twin_rows(const int M, const i
     }
 }
 
+/* Whether this CPU runs the twins' 16-lane vectors natively (AVX-512): elsewhere they would be
+ * split in halves, and an AVX2 clone spilled such sums through the stack (see nt_columns). */
+static int twin_wide(void) {
+    static int wide = -1;
+    if (wide < 0) {
+        __builtin_cpu_init();
+        wide = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    }
+    return wide;
+}
+
 static inline __attribute__((always_inline)) void nn_run_twin_bits(const int BITS, int m, int k0, int k1,
                                                                     const float *a, int lda, const Twin *t,
                                                                     float *acc, int n) {
-    switch (m) {
-    case 1: twin_rows(1, BITS, k0, k1, a, lda, t, acc, n); break;
-    case 2: twin_rows(2, BITS, k0, k1, a, lda, t, acc, n); break;
-    case 3: twin_rows(3, BITS, k0, k1, a, lda, t, acc, n); break;
-    default: twin_rows(4, BITS, k0, k1, a, lda, t, acc, n); break;
+    int wide = twin_wide();
+    switch (m * 2 + wide) {
+    case 2: twin_rows(1, BITS, 0, k0, k1, a, lda, t, acc, n); break;
+    case 3: twin_rows(1, BITS, 1, k0, k1, a, lda, t, acc, n); break;
+    case 4: twin_rows(2, BITS, 0, k0, k1, a, lda, t, acc, n); break;
+    case 5: twin_rows(2, BITS, 1, k0, k1, a, lda, t, acc, n); break;
+    case 6: twin_rows(3, BITS, 0, k0, k1, a, lda, t, acc, n); break;
+    case 7: twin_rows(3, BITS, 1, k0, k1, a, lda, t, acc, n); break;
+    case 8: twin_rows(4, BITS, 0, k0, k1, a, lda, t, acc, n); break;
+    default: twin_rows(4, BITS, 1, k0, k1, a, lda, t, acc, n); break;
     }
 }
 
@@ -507,7 +652,7 @@ int parity_twin_max_rows(void) { return TwinMaxRows; }
 
 /* What a report's environment says of this file (src/environment.rs and ci/bench_mlx_lm.py
  * read it): a baseline measured with other forwarding is refused against this one. */
-static char shim_label[256];
+static char shim_label[384];
 static void label_shim(void) {
     /* The clone the kernels run: target_clones picks the first one the CPU supports. */
     __builtin_cpu_init();
@@ -516,8 +661,10 @@ static void label_shim(void) {
     const char *isa = __builtin_cpu_supports("avx512f") ? "AVX-512" : __builtin_cpu_supports("avx2") ? "AVX2" : "SSE2";
     snprintf(shim_label, sizeof shim_label,
              "1-12-row GEMM reading the weights once, split K in 8 runs by [in, out] weights and prefetched, %s, "
-             "other one-row GEMM as GEMV; %s kernels",
-             parity_twins_on() ? twins : "packed twins off", isa);
+             "%s, other one-row GEMM as GEMV; %s kernels",
+             parity_twins_on() ? twins : "packed twins off",
+             panel_kernel() ? "13-64-row GEMM by [in, out] weights in unpacked FMA panels" : "13-64 rows OpenBLAS's (no FMA)",
+             isa);
 }
 const char *parity_blas_shim(void) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
@@ -537,6 +684,8 @@ typedef struct {
     float *c, *scratch, *partials;
     /* B's packed twin, read instead of B (K-split jobs only). */
     const Twin *twin;
+    /* A panel job (see panel_kernel): parts run it over their columns. */
+    panel_fn panel;
     /* A K-split job's runs are claimed, not dealt: the caller takes them from the front, the
      * workers from the back, each run once (`claimed`, a bit a run), so a worker that finds
      * its runs already in cache finishes them and takes more. */
@@ -567,6 +716,10 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) static void part(co
     }
     int per = ((j->n + j->parts - 1) / j->parts + 15) & ~15;
     int j0 = t * per < j->n ? t * per : j->n, j1 = j0 + per < j->n ? j0 + per : j->n;
+    if (j->panel) {
+        if (j1 > j0) j->panel(j->m, j->k, j->a, j->lda, j->b, j->ldb, j->c, j->ldc, j0, j1);
+        return;
+    }
     int width = j1 - j0, ldacc = j->scratch ? j->n : j->ldc;
     float *acc = (j->scratch ? j->scratch : j->c) + j0;
     if (width <= 0) return;
@@ -807,6 +960,15 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     int ta_no = ta == NoTrans, tb_no = tb == NoTrans;
     /* The weight operand: op(B) for one or a few rows of A, op(A) for one column of B. */
     long big = m == 1 || (m <= MaxFewRows && n > 1) ? (long)n * k : (long)m * k;
+    panel_fn panel = tb_no && ta_no && m > MaxFewRows && m <= MaxPanelRows && alpha == 1.0f && beta == 0.0f &&
+                         (long)n * k >= MinForwardElements
+                         ? panel_kernel()
+                         : NULL;
+    if (panel) {
+        few_rows((Job){.m = m, .n = n, .k = k, .lda = lda, .ldb = ldb, .ldc = ldc, .alpha = alpha, .beta = beta,
+                       .a = a, .b = b, .c = c, .panel = panel});
+        return;
+    }
     if (big < MinForwardElements || (m != 1 && n != 1 && (m > MaxFewRows || !ta_no))) {
         gemm(RowMajor, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
         return;
