@@ -191,8 +191,7 @@ __attribute__((target("fma"))) static void panel_scalar(int m, int k, const floa
 
 /* A block of R rows by V vectors of W lanes over B's rows [k0, k1), as a macro (VEC, LOAD,
  * STORE, FMA, SET1 name the ISA's operations) so that each ISA's function holds its own copy
- * with R and V known. Each step also prefetches a row of the next panel's weights (`pf`, `pfn`
- * rows, `pfw` floats wide): spread over the steps, the loads never wait for a burst of them. */
+ * with R and V known. */
 #define PANEL_BLOCK(R, V, W, VEC, LOAD, STORE, FMA, SET1)                                                            \
     do {                                                                                                              \
         VEC acc[R][V];                                                                                                \
@@ -201,8 +200,6 @@ __attribute__((target("fma"))) static void panel_scalar(int m, int k, const floa
                 acc[i][v] = k0 == 0 ? SET1(0.0f) : LOAD(c + (long)(i0 + i) * ldc + j + v * (W));                     \
         for (int q = k0; q < k1; q++) {                                                                               \
             const float *bq = b + (long)q * ldb + j;                                                                  \
-            if (q - k0 < pfn)                                                                                         \
-                for (int f = 0; f < pfw; f += 16) _mm_prefetch((const char *)(pf + (long)(q - k0) * ldb + f), _MM_HINT_T0); \
             VEC bv[V];                                                                                                \
             for (int v = 0; v < (V); v++) bv[v] = LOAD(bq + v * (W));                                                 \
             for (int i = 0; i < (R); i++) {                                                                           \
@@ -214,18 +211,19 @@ __attribute__((target("fma"))) static void panel_scalar(int m, int k, const floa
             for (int v = 0; v < (V); v++) STORE(c + (long)(i0 + i) * ldc + j + v * (W), acc[i][v]);                   \
     } while (0)
 
-/* The panel V vectors wide at column j over B's rows [k0, k1): the rows cut into as few blocks
- * of at most MAXR as hold them, of sizes differing by one at most (a block of one or two rows
- * has too few independent sums to keep the FMA units busy). */
+/* The panel V vectors wide at column j over B's rows [k0, k1): first the next panel's weights
+ * (the next columns, or the next run's first) are asked for in one burst (asked for a row a step
+ * instead, the products ran slower), then the rows run, cut into as few blocks of at most MAXR
+ * as hold them, of sizes differing by one at most (a block of one or two rows has too few
+ * independent sums to keep the FMA units busy). */
 #define PANEL(MAXR, V, W, VEC, LOAD, STORE, FMA, SET1)                                                                \
     do {                                                                                                              \
         int nj = j + (V) * (W), nk0 = k0;                                                                             \
-        if (nj + (V) * (W) > jv) nj = j0, nk0 = k1;                                                                   \
+        if (nj >= jv) nj = j0, nk0 = k1;                                                                             \
         const float *pf = b + (long)nk0 * ldb + nj;                                                                   \
-        int pfn = nk0 < k ? (k - nk0 < PanelK ? k - nk0 : PanelK) : 0, pfw = (V) * (W);                              \
+        int pfn = nk0 < k ? (k - nk0 < PanelK ? k - nk0 : PanelK) : 0;                                               \
         for (int q = 0; q < pfn; q++)                                                                                 \
-            for (int f = 0; f < pfw; f += 16) _mm_prefetch((const char *)(pf + (long)q * ldb + f), _MM_HINT_T0);     \
-        pfn = 0;                                                                                                      \
+            for (int f = 0; f < (V) * (W); f += 16) _mm_prefetch((const char *)(pf + (long)q * ldb + f), _MM_HINT_T0); \
         int blocks = (m + (MAXR) - 1) / (MAXR);                                                                       \
         for (int bl = 0, i0 = 0; bl < blocks; bl++) {                                                                 \
             int r = m / blocks + (bl < m % blocks);                                                                   \
@@ -240,17 +238,18 @@ __attribute__((target("fma"))) static void panel_scalar(int m, int k, const floa
             default: PANEL_BLOCK(MAXR, V, W, VEC, LOAD, STORE, FMA, SET1); break;                                    \
             }                                                                                                         \
             i0 += r;                                                                                                  \
-            pfn = 0; /* the first block's steps prefetched the whole next panel */                                    \
         }                                                                                                             \
     } while (0)
 
-/* The tail narrower than a vector is summed column by column after the vector runs, as one
- * chain over all of k: its partial sums are not kept in C between runs. */
+/* Columns [j0, j1) in panels WIDE vectors wide, then one vector wide; the tail narrower than a
+ * vector is summed column by column after them, as one chain over all of k (its partial sums
+ * are not kept in C between runs). */
 #define PANEL_ALL(MAXR, WIDE, W, VEC, LOAD, STORE, FMA, SET1)                                                         \
-    int jv = j0 + (j1 - j0) / ((WIDE) * (W)) * ((WIDE) * (W));                                                        \
+    int jv = j0 + (j1 - j0) / (W) * (W);                                                                              \
     for (int k0 = 0; k0 < k; k0 += PanelK) {                                                                          \
-        int k1 = k0 + PanelK < k ? k0 + PanelK : k;                                                                   \
-        for (int j = j0; j < jv; j += (WIDE) * (W)) PANEL(MAXR, WIDE, W, VEC, LOAD, STORE, FMA, SET1);                \
+        int k1 = k0 + PanelK < k ? k0 + PanelK : k, j = j0;                                                           \
+        for (; j + (WIDE) * (W) <= jv; j += (WIDE) * (W)) PANEL(MAXR, WIDE, W, VEC, LOAD, STORE, FMA, SET1);          \
+        for (; j < jv; j += (W)) PANEL(MAXR, 1, W, VEC, LOAD, STORE, FMA, SET1);                                      \
     }                                                                                                                 \
     panel_scalar(m, k, a, lda, b, ldb, c, ldc, jv, j1)
 
