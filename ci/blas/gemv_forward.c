@@ -268,18 +268,28 @@ __attribute__((target("avx2,fma"))) static void panel_avx2(int m, int k, const f
 
 typedef void (*panel_fn)(int, int, const float *, int, const float *, int, float *, int, int, int);
 
-/* The panel kernel for this CPU, or NULL (no FMA: OpenBLAS keeps these products). */
-static panel_fn panel_picked;
-static void pick_panel(void) {
+/* What this CPU runs, found once (every product thread asks): the panel kernel (NULL without
+ * FMA: OpenBLAS keeps those products), and whether the twins' kernel runs 16-lane vectors
+ * (AVX-512; elsewhere they would be split in halves, and an AVX2 clone spilled such sums
+ * through the stack, see nt_columns). */
+static struct {
+    panel_fn panel;
+    int twin_wide;
+} cpu;
+static pthread_once_t cpu_once = PTHREAD_ONCE_INIT;
+static void find_cpu(void) {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("fma")) return;
-    if (__builtin_cpu_supports("avx512f")) panel_picked = panel_avx512;
-    else if (__builtin_cpu_supports("avx2")) panel_picked = panel_avx2;
+    int avx512 = !!__builtin_cpu_supports("avx512f"), fma = !!__builtin_cpu_supports("fma");
+    cpu.twin_wide = avx512;
+    cpu.panel = !fma ? NULL : avx512 ? panel_avx512 : __builtin_cpu_supports("avx2") ? panel_avx2 : NULL;
 }
 static panel_fn panel_kernel(void) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, pick_panel);
-    return panel_picked;
+    pthread_once(&cpu_once, find_cpu);
+    return cpu.panel;
+}
+static int twin_wide(void) {
+    pthread_once(&cpu_once, find_cpu);
+    return cpu.twin_wide;
 }
 
 /* Products of 1 to MaxFewRows rows by a matrix stored [k][n] (parity's [in, out] weights) are
@@ -319,9 +329,10 @@ typedef struct {
  * in the SSE2 baseline only one did (see docs/benchmarks.md). */
 enum { TwinMaxRows = 4 };
 
-/* Weight `s` of each of 8 columns' `word`: the products and the check below both compute it
- * here, so what the check compares is what the products multiply. (A macro: a function taking
- * or returning AVX vectors is not one ABI across the clones.) */
+/* Weight `s` of each of a vector's columns' `word` (VI, VF: int and float vectors of its lanes;
+ * TWIN_WEIGHT: 8 lanes): the products and the check below both compute it here, so what the
+ * check compares is what the products multiply. (A macro: a function taking or returning AVX
+ * vectors is not one ABI across the clones.) */
 #define TWIN_WEIGHT_OF(VI, VF, BITS, word, s, sc, bi)                                                             \
     ((sc) * __builtin_convertvector((VI)(((word) >> (unsigned)((BITS) * (s))) & ((1u << (BITS)) - 1)), VF) + (bi))
 #define TWIN_WEIGHT(BITS, word, s, sc, bi) TWIN_WEIGHT_OF(i8v, v8, BITS, word, s, sc, bi)
@@ -404,30 +415,26 @@ static inline __attribute__((always_inline)) void twin_rows(const int M, const i
     }
 }
 
-/* Whether this CPU runs the twins' 16-lane vectors natively (AVX-512): elsewhere they would be
- * split in halves, and an AVX2 clone spilled such sums through the stack (see nt_columns). */
-static int twin_wide(void) {
-    static int wide = -1;
-    if (wide < 0) {
-        __builtin_cpu_init();
-        wide = __builtin_cpu_supports("avx512f") ? 1 : 0;
-    }
-    return wide;
-}
-
 static inline __attribute__((always_inline)) void nn_run_twin_bits(const int BITS, int m, int k0, int k1,
                                                                     const float *a, int lda, const Twin *t,
                                                                     float *acc, int n) {
-    int wide = twin_wide();
-    switch (m * 2 + wide) {
-    case 2: twin_rows(1, BITS, 0, k0, k1, a, lda, t, acc, n); break;
-    case 3: twin_rows(1, BITS, 1, k0, k1, a, lda, t, acc, n); break;
-    case 4: twin_rows(2, BITS, 0, k0, k1, a, lda, t, acc, n); break;
-    case 5: twin_rows(2, BITS, 1, k0, k1, a, lda, t, acc, n); break;
-    case 6: twin_rows(3, BITS, 0, k0, k1, a, lda, t, acc, n); break;
-    case 7: twin_rows(3, BITS, 1, k0, k1, a, lda, t, acc, n); break;
-    case 8: twin_rows(4, BITS, 0, k0, k1, a, lda, t, acc, n); break;
-    default: twin_rows(4, BITS, 1, k0, k1, a, lda, t, acc, n); break;
+    /* The row count alone selects the row kernel: folding the flag into the same switch
+     * (m * 2 + wide) turns a "true" other than 1 (__builtin_cpu_supports returns a mask) into
+     * more rows than A has, and the kernel writes past the output. */
+    if (twin_wide()) {
+        switch (m) {
+        case 1: twin_rows(1, BITS, 1, k0, k1, a, lda, t, acc, n); break;
+        case 2: twin_rows(2, BITS, 1, k0, k1, a, lda, t, acc, n); break;
+        case 3: twin_rows(3, BITS, 1, k0, k1, a, lda, t, acc, n); break;
+        default: twin_rows(4, BITS, 1, k0, k1, a, lda, t, acc, n); break;
+        }
+    } else {
+        switch (m) {
+        case 1: twin_rows(1, BITS, 0, k0, k1, a, lda, t, acc, n); break;
+        case 2: twin_rows(2, BITS, 0, k0, k1, a, lda, t, acc, n); break;
+        case 3: twin_rows(3, BITS, 0, k0, k1, a, lda, t, acc, n); break;
+        default: twin_rows(4, BITS, 0, k0, k1, a, lda, t, acc, n); break;
+        }
     }
 }
 
