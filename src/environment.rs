@@ -398,6 +398,18 @@ mod tests {
         (0..n).map(|i| ((i * 7919 + seed * 104_729) % 23) as f32 / 11.0 - 1.0).collect()
     }
 
+    /// Floats with every mantissa bit in play (a sum of them rounds at almost every step, so a
+    /// reordered sum shows), from a fixed linear congruential sequence.
+    fn noisy(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
     /// `got` against `a @ b` in f64, `a` m x k and `b` k x n as row-major slices, with
     /// `alpha * (a @ b) + beta * c` when `c` is given.
     fn assert_product(
@@ -570,6 +582,42 @@ mod tests {
             (0..n).map(|j| (0..k).fold(0.0f32, |s, q| rows[q].mul_add(weights[q * n + j], s)).to_bits()).collect();
         for m in [13, 14, 29, 40, 63, 64] {
             assert_eq!(first_row_of(&w, &rows, m), chain, "row 0 of a {m}-row product");
+        }
+    }
+
+    /// Attention's per-head products (queries by the keys transposed, then the softmax by the
+    /// values: 1 to 8 rows by an operand under 64 Ki elements) run in the shim on the calling
+    /// thread, each output element one fused multiply-add chain over k in order from zero. So a
+    /// head's scores are the same bits whether MLX multiplies one query row or several, and on
+    /// AVX2 and AVX-512 alike. Checked against that chain at head sizes with and without a tail
+    /// past the kernels' eight lanes and key counts on both sides of a multiple of eight: a
+    /// kernel that summed the keys' lanes apart, or dropped or repeated a tail key, fails.
+    #[test]
+    fn attention_products_of_1_to_8_rows_are_one_fused_chain() {
+        if !blas().is_some_and(|b| b.contains("(attention's) in one FMA chain")) {
+            return;
+        }
+        for (d, w) in [(64, 192), (64, 37), (13, 9), (128, 7), (256, 129)] {
+            let keys = noisy(w * d, 3);
+            let queries = noisy(8 * d, 5);
+            let k = Array::from_slice(&keys, &[w as i32, d as i32]);
+            let scores: Vec<u32> = (0..w)
+                .map(|j| (0..d).fold(0.0f32, |s, x| queries[x].mul_add(keys[j * d + x], s)).to_bits())
+                .collect();
+            let probs = noisy(8 * w, 7);
+            let mixed: Vec<u32> =
+                (0..d).map(|x| (0..w).fold(0.0f32, |s, j| probs[j].mul_add(keys[j * d + x], s)).to_bits()).collect();
+            for m in 1..=8 {
+                let q = Array::from_slice(&queries[..m * d], &[m as i32, d as i32]);
+                let p = Array::from_slice(&probs[..m * w], &[m as i32, w as i32]);
+                let row0 = |y: Array| -> Vec<u32> {
+                    let y = y.index(0);
+                    y.eval().unwrap();
+                    y.as_slice::<f32>().iter().map(|v| v.to_bits()).collect()
+                };
+                assert_eq!(row0(q.matmul(k.transpose().unwrap()).unwrap()), scores, "scores, head size {d}, {w} keys, {m} rows");
+                assert_eq!(row0(p.matmul(&k).unwrap()), mixed, "values, head size {d}, {w} keys, {m} rows");
+            }
         }
     }
 

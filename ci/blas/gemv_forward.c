@@ -93,6 +93,63 @@ typedef int i8v __attribute__((vector_size(32), aligned(4)));
 typedef unsigned u16v __attribute__((vector_size(64), aligned(4)));
 typedef int i16v __attribute__((vector_size(64), aligned(4)));
 
+/* Rows [i0, i0 + R) by the 16 columns at j over all k: each row's two vectors of sums stay in
+ * registers for the whole run, so an element's sum is the same sequence of products, added one
+ * by one from zero in k's order, as nn_run's four rows at a time: its bits, only not stored and
+ * reloaded every four rows. The first block of rows asks for the row's next 256 bytes (four
+ * panels on) as it goes. */
+#define NN_BLOCK(R)                                                                                                   \
+    do {                                                                                                              \
+        v8 c[R][2];                                                                                                   \
+        for (int i = 0; i < (R); i++) c[i][0] = c[i][1] = (v8){0};                                                    \
+        for (int q = 0; q < k; q++) {                                                                                 \
+            const float *bq = b + (long)q * ldb + j;                                                                  \
+            if (i0 == 0) __builtin_prefetch(bq + 64, 0, 3);                                                           \
+            v8 b0, b1;                                                                                                \
+            memcpy(&b0, bq, sizeof b0);                                                                               \
+            memcpy(&b1, bq + 8, sizeof b1);                                                                           \
+            for (int i = 0; i < (R); i++) {                                                                           \
+                float s = a[(long)(i0 + i) * lda + q];                                                                \
+                c[i][0] += s * b0;                                                                                    \
+                c[i][1] += s * b1;                                                                                    \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (int i = 0; i < (R); i++) {                                                                               \
+            memcpy(acc + (long)(i0 + i) * n + j, &c[i][0], sizeof c[i][0]);                                           \
+            memcpy(acc + (long)(i0 + i) * n + j + 8, &c[i][1], sizeof c[i][1]);                                       \
+        }                                                                                                             \
+    } while (0)
+
+/* More than StreamRows rows (a decode step at batch 5 to 12, or such a prefill chunk): 16
+ * columns at a time, in blocks of up to five rows whose sums stay in registers (NN_BLOCK), each
+ * run of 16 columns read once from memory and again from L1 by the next block; the columns past
+ * the last 16 as nn_run sums them. nn_run's way, every row's sums stored and reloaded every four
+ * of K's rows, was bound by those stores and reloads there: bench_sgemm nn at 8 rows 63-64 ms,
+ * this way 30-33 (2-core AMD EPYC, AVX2). */
+enum { StreamRows = 4 };
+static inline __attribute__((always_inline)) void nn_rows(int m, int k, const float *a, int lda, const float *b,
+                                                           int ldb, float *acc, int n) {
+    int blocks = (m + 4) / 5, j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int bl = 0, i0 = 0; bl < blocks; bl++) {
+            int r = m / blocks + (bl < m % blocks);
+            switch (r) {
+            case 1: NN_BLOCK(1); break;
+            case 2: NN_BLOCK(2); break;
+            case 3: NN_BLOCK(3); break;
+            case 4: NN_BLOCK(4); break;
+            default: NN_BLOCK(5); break;
+            }
+            i0 += r;
+        }
+    for (; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            float c = 0.0f;
+            for (int q = 0; q < k; q++) c += a[(long)i * lda + q] * b[(long)q * ldb + j];
+            acc[(long)i * n + j] = c;
+        }
+}
+
 /* acc (m x n) = A B over a run of B's rows stored [k][n], KRows rows at a time: the thread
  * streams KRows whole rows at once, and each element of acc gets its products in k's order,
  * added one by one, so its sum does not depend on how many rows A has. (Sixteen rows at a
@@ -100,6 +157,10 @@ typedef int i16v __attribute__((vector_size(64), aligned(4)));
  * inside a decode step; four whole rows read them at 21-27.) */
 static inline __attribute__((always_inline)) void nn_run(int m, int k, const float *a, int lda, const float *b,
                                                           int ldb, float *acc, int n) {
+    if (m > StreamRows) {
+        nn_rows(m, k, a, lda, b, ldb, acc, n);
+        return;
+    }
     for (int k0 = 0; k0 < k; k0 += KRows) {
         int kb = k - k0 < KRows ? k - k0 : KRows;
         int j = 0;
@@ -268,6 +329,88 @@ __attribute__((target("avx2,fma"))) static void panel_avx2(int m, int k, const f
 
 typedef void (*panel_fn)(int, int, const float *, int, const float *, int, float *, int, int, int);
 
+/* Attention's products. MLX's CPU attention (the fallback of its fused one) multiplies each
+ * head's queries by the head's keys, then the softmax by the values, one GEMM call a head: for
+ * a decode step that is 1 row by [w, D] transposed, then 1 row by [w, D], 2 x B x heads calls a
+ * layer (17,280 a step at batch 32 in SmolLM2). OpenBLAS packs both operands on every call and
+ * the packing, not the arithmetic, took the time: 5-7 us a call, attention 35% of a batch-32
+ * step. Products of up to TinyRows rows whose other operand is under MinForwardElements (no
+ * weight matrix is: those have their own paths above) run here, on the calling thread, with
+ * nothing copied.
+ *
+ * Each output element is one fused multiply-add chain over k in order from zero, as in the
+ * panels: its bits depend on neither the row count nor the ISA, so a row's attention is the same
+ * next to other heads' rows or alone. On AMD Zen that chain is also what OpenBLAS 0.3.21 computed
+ * for 1 to 3 rows (past 3, and past its K block, it is not). */
+enum { TinyRows = 8 };
+
+/* Rows [i0, i0 + R) of C = A B^T for B's rows [j, j + 8), B^T's columns read eight at a time
+ * and turned into eight vectors of one k each (an 8 x 8 transpose in registers). */
+#define NT_BLOCK(R)                                                                                                   \
+    do {                                                                                                              \
+        __m256 acc[R];                                                                                                \
+        for (int i = 0; i < (R); i++) acc[i] = _mm256_setzero_ps();                                                   \
+        const float *bj = b + (long)j * ldb;                                                                          \
+        int q = 0;                                                                                                    \
+        for (; q + 8 <= k; q += 8) {                                                                                  \
+            __m256 t[8];                                                                                              \
+            transpose8(bj + q, ldb, t);                                                                               \
+            for (int x = 0; x < 8; x++)                                                                               \
+                for (int i = 0; i < (R); i++)                                                                         \
+                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(a[(long)(i0 + i) * lda + q + x]), t[x], acc[i]);         \
+        }                                                                                                             \
+        for (; q < k; q++) {                                                                                          \
+            __m256 t = _mm256_set_ps(bj[7L * ldb + q], bj[6L * ldb + q], bj[5L * ldb + q], bj[4L * ldb + q],          \
+                                     bj[3L * ldb + q], bj[2L * ldb + q], bj[(long)ldb + q], bj[q]);                   \
+            for (int i = 0; i < (R); i++)                                                                             \
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(a[(long)(i0 + i) * lda + q]), t, acc[i]);                      \
+        }                                                                                                             \
+        for (int i = 0; i < (R); i++) _mm256_storeu_ps(c + (long)(i0 + i) * ldc + j, acc[i]);                         \
+    } while (0)
+
+/* t[x] = the eight floats at column x of the 8 x 8 block at p (rows ld apart). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void transpose8(const float *p, int ld, __m256 *t) {
+    __m256 r0 = _mm256_loadu_ps(p), r1 = _mm256_loadu_ps(p + ld), r2 = _mm256_loadu_ps(p + 2L * ld),
+           r3 = _mm256_loadu_ps(p + 3L * ld), r4 = _mm256_loadu_ps(p + 4L * ld), r5 = _mm256_loadu_ps(p + 5L * ld),
+           r6 = _mm256_loadu_ps(p + 6L * ld), r7 = _mm256_loadu_ps(p + 7L * ld);
+    __m256 u0 = _mm256_unpacklo_ps(r0, r1), u1 = _mm256_unpackhi_ps(r0, r1), u2 = _mm256_unpacklo_ps(r2, r3),
+           u3 = _mm256_unpackhi_ps(r2, r3), u4 = _mm256_unpacklo_ps(r4, r5), u5 = _mm256_unpackhi_ps(r4, r5),
+           u6 = _mm256_unpacklo_ps(r6, r7), u7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 s0 = _mm256_shuffle_ps(u0, u2, 0x44), s1 = _mm256_shuffle_ps(u0, u2, 0xEE),
+           s2 = _mm256_shuffle_ps(u1, u3, 0x44), s3 = _mm256_shuffle_ps(u1, u3, 0xEE),
+           s4 = _mm256_shuffle_ps(u4, u6, 0x44), s5 = _mm256_shuffle_ps(u4, u6, 0xEE),
+           s6 = _mm256_shuffle_ps(u5, u7, 0x44), s7 = _mm256_shuffle_ps(u5, u7, 0xEE);
+    t[0] = _mm256_permute2f128_ps(s0, s4, 0x20), t[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    t[2] = _mm256_permute2f128_ps(s2, s6, 0x20), t[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    t[4] = _mm256_permute2f128_ps(s0, s4, 0x31), t[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    t[6] = _mm256_permute2f128_ps(s2, s6, 0x31), t[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+/* C (m x n) = A (m x k) B^T, B stored [n][k]: the scores of m queries against n keys. Rows in
+ * blocks of at most four (four sums and eight columns of B in registers of 16), B's rows eight
+ * at a time; the last fewer than eight one by one. */
+__attribute__((target("avx2,fma"))) static void tiny_nt(int m, int k, const float *a, int lda, const float *b,
+                                                        int ldb, float *c, int ldc, int n) {
+    int j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int i0 = 0; i0 < m;) {
+            int r = m - i0 < 4 ? m - i0 : 4;
+            switch (r) {
+            case 1: NT_BLOCK(1); break;
+            case 2: NT_BLOCK(2); break;
+            case 3: NT_BLOCK(3); break;
+            default: NT_BLOCK(4); break;
+            }
+            i0 += r;
+        }
+    for (; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            float s = 0.0f;
+            for (int q = 0; q < k; q++) s = __builtin_fmaf(a[(long)i * lda + q], b[(long)j * ldb + q], s);
+            c[(long)i * ldc + j] = s;
+        }
+}
+
 /* What this CPU runs, found once (every product thread asks): the panel kernel (NULL without
  * FMA: OpenBLAS keeps those products), and whether the twins' kernel runs 16-lane vectors
  * (AVX-512; elsewhere they would be split in halves, and an AVX2 clone spilled such sums
@@ -275,6 +418,7 @@ typedef void (*panel_fn)(int, int, const float *, int, const float *, int, float
 static struct {
     panel_fn panel;
     int twin_wide;
+    int tiny; /* tiny_nt and the panels run attention's products (AVX2 and FMA) */
 } cpu;
 static pthread_once_t cpu_once = PTHREAD_ONCE_INIT;
 static void find_cpu(void) {
@@ -282,10 +426,15 @@ static void find_cpu(void) {
     int avx512 = !!__builtin_cpu_supports("avx512f"), fma = !!__builtin_cpu_supports("fma");
     cpu.twin_wide = avx512;
     cpu.panel = !fma ? NULL : avx512 ? panel_avx512 : __builtin_cpu_supports("avx2") ? panel_avx2 : NULL;
+    cpu.tiny = fma && __builtin_cpu_supports("avx2");
 }
 static panel_fn panel_kernel(void) {
     pthread_once(&cpu_once, find_cpu);
     return cpu.panel;
+}
+static int tiny_kernels(void) {
+    pthread_once(&cpu_once, find_cpu);
+    return cpu.tiny;
 }
 static int twin_wide(void) {
     pthread_once(&cpu_once, find_cpu);
@@ -672,7 +821,7 @@ int parity_twin_max_rows(void) { return TwinMaxRows; }
 
 /* What a report's environment says of this file (src/environment.rs and ci/bench_mlx_lm.py
  * read it): a baseline measured with other forwarding is refused against this one. */
-static char shim_label[384];
+static char shim_label[512];
 static void label_shim(void) {
     /* The clone the kernels run: target_clones picks the first one the CPU supports. */
     __builtin_cpu_init();
@@ -681,9 +830,11 @@ static void label_shim(void) {
     const char *isa = __builtin_cpu_supports("avx512f") ? "AVX-512" : __builtin_cpu_supports("avx2") ? "AVX2" : "SSE2";
     snprintf(shim_label, sizeof shim_label,
              "1-12-row GEMM reading the weights once, split K in 8 runs by [in, out] weights and prefetched, %s, "
-             "%s, other one-row GEMM as GEMV; %s kernels",
+             "%s, %s, other one-row GEMM as GEMV; %s kernels",
              parity_twins_on() ? twins : "packed twins off",
              panel_kernel() ? "13-64-row GEMM by [in, out] weights in unpacked FMA panels" : "13-64 rows OpenBLAS's (no FMA)",
+             tiny_kernels() ? "1-8-row GEMM by operands under 64 Ki elements (attention's) in one FMA chain each"
+                            : "small GEMM OpenBLAS's",
              isa);
 }
 const char *parity_blas_shim(void) {
@@ -980,6 +1131,14 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     int ta_no = ta == NoTrans, tb_no = tb == NoTrans;
     /* The weight operand: op(B) for one or a few rows of A, op(A) for one column of B. */
     long big = m == 1 || (m <= MaxFewRows && n > 1) ? (long)n * k : (long)m * k;
+    if (ta_no && m <= TinyRows && (long)n * k < MinForwardElements && alpha == 1.0f && beta == 0.0f &&
+        tiny_kernels()) {
+        if (tb_no)
+            panel_kernel()(m, k, a, lda, b, ldb, c, ldc, 0, n);
+        else
+            tiny_nt(m, k, a, lda, b, ldb, c, ldc, n);
+        return;
+    }
     panel_fn panel = tb_no && ta_no && m > MaxFewRows && m <= MaxPanelRows && alpha == 1.0f && beta == 0.0f &&
                          (long)n * k >= MinForwardElements
                          ? panel_kernel()
