@@ -601,9 +601,8 @@ mod tests {
             let keys = noisy(w * d, 3);
             let queries = noisy(8 * d, 5);
             let k = Array::from_slice(&keys, &[w as i32, d as i32]);
-            let scores: Vec<u32> = (0..w)
-                .map(|j| (0..d).fold(0.0f32, |s, x| queries[x].mul_add(keys[j * d + x], s)).to_bits())
-                .collect();
+            let scores: Vec<u32> =
+                (0..w).map(|j| (0..d).fold(0.0f32, |s, x| queries[x].mul_add(keys[j * d + x], s)).to_bits()).collect();
             let probs = noisy(8 * w, 7);
             let mixed: Vec<u32> =
                 (0..d).map(|x| (0..w).fold(0.0f32, |s, j| probs[j].mul_add(keys[j * d + x], s)).to_bits()).collect();
@@ -615,7 +614,11 @@ mod tests {
                     y.eval().unwrap();
                     y.as_slice::<f32>().iter().map(|v| v.to_bits()).collect()
                 };
-                assert_eq!(row0(q.matmul(k.transpose().unwrap()).unwrap()), scores, "scores, head size {d}, {w} keys, {m} rows");
+                assert_eq!(
+                    row0(q.matmul(k.transpose().unwrap()).unwrap()),
+                    scores,
+                    "scores, head size {d}, {w} keys, {m} rows"
+                );
                 assert_eq!(row0(p.matmul(&k).unwrap()), mixed, "values, head size {d}, {w} keys, {m} rows");
             }
         }
@@ -674,7 +677,8 @@ mod tests {
             assert!(out.status.success(), "{threads} threads: {}", String::from_utf8_lossy(&out.stderr));
             // libtest's own "test ... " may precede the first line.
             let stdout = String::from_utf8_lossy(&out.stdout);
-            let lines: Vec<String> = stdout.lines().filter_map(|l| l.find(DUMP).map(|at| l[at..].to_string())).collect();
+            let lines: Vec<String> =
+                stdout.lines().filter_map(|l| l.find(DUMP).map(|at| l[at..].to_string())).collect();
             assert_eq!(lines.len(), 8, "{threads} threads printed {} products", lines.len());
             lines
         };
