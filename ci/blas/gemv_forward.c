@@ -387,14 +387,15 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void transpose8
 }
 
 /* C (m x n) = A (m x k) B^T, B stored [n][k]: the scores of m queries against n keys. Rows in
- * blocks of at most four (four sums and eight columns of B in registers of 16), B's rows eight
- * at a time; the last fewer than eight one by one. */
+ * as few blocks of at most four as hold them, of sizes differing by one at most (four sums and
+ * eight columns of B in registers of 16; five rows as 3 + 2, not 4 + 1, as the panels cut
+ * theirs), B's rows eight at a time; the last fewer than eight one by one. */
 __attribute__((target("avx2,fma"))) static void tiny_nt(int m, int k, const float *a, int lda, const float *b,
                                                         int ldb, float *c, int ldc, int n) {
-    int j = 0;
+    int blocks = (m + 3) / 4, j = 0;
     for (; j + 8 <= n; j += 8)
-        for (int i0 = 0; i0 < m;) {
-            int r = m - i0 < 4 ? m - i0 : 4;
+        for (int bl = 0, i0 = 0; bl < blocks; bl++) {
+            int r = m / blocks + (bl < m % blocks);
             switch (r) {
             case 1: NT_BLOCK(1); break;
             case 2: NT_BLOCK(2); break;
