@@ -59,7 +59,7 @@ pub use suite::{MAX_COUNT, SuiteError, load as load_suite, parse as parse_suite}
 
 // The engine interface: implement `EnginePath` and `Session` to drive an engine in process, or
 // speak the step protocol (`protocol`, docs/step-protocol.md) from an adapter.
-pub use engine::builtin::{Builtin, BuiltinAdapter, BuiltinSession, generate};
+pub use engine::builtin::{Builtin, BuiltinAdapter, BuiltinSession, Prefills, generate};
 pub use engine::{Capabilities, EnginePath, PathInfo, Session, ShareMode, adapter, protocol};
 
 // The MLX device a process computes on, and the BLAS behind it.

@@ -4,6 +4,10 @@
 //! row (the simplest correct form), so "batched vs row-by-row" is a comparison a suite can ask
 //! for. The dense path is the default reference.
 
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::rc::Rc;
+
 use mlx_rs::Array;
 
 use super::adapter::{AdapterError, Described, Forwarded, StepEngine};
@@ -25,6 +29,78 @@ pub struct Builtin<'m> {
     /// The KV store of the current session and the model calls made on it (a session
     /// borrows both).
     kv: Option<(Box<dyn KvCache>, Counters)>,
+    /// First prefills, shared with the other paths of the same loaded model (none: each
+    /// session computes its own).
+    prefills: Option<&'m Prefills>,
+}
+
+/// The first forward of fresh sessions, kept for the next session that makes the same one.
+///
+/// A session's first forward, one row into a store whose sequences are all new and unmasked, is
+/// a function of the path (backend and attention), the faults planted, the sequences created
+/// and the row alone. Every scenario starts that way (a single prompt, the first row of a batch,
+/// a rollback, the reference and its noise floor), so a suite prefills each prompt dozens of
+/// times on each path, the same computation each time (MLX on one machine computes the same
+/// bits). Kept here are the logits, the store as the forward left it and the calls counted; the
+/// next such forward gets copies and computes nothing, and whatever it does next runs for real
+/// on its copy. Shared by every path of one loaded model, so that the dense path's prefills are
+/// the reference's (the key names the path: a path never gets another's). Bounded by the bytes
+/// the kept stores reserve, the least recently used dropped first.
+#[derive(Default)]
+pub struct Prefills {
+    kept: RefCell<VecDeque<(PrefillKey, Rc<Prefilled>)>>,
+    served: std::cell::Cell<u64>,
+}
+
+#[derive(PartialEq)]
+struct PrefillKey {
+    path: BuiltinPath,
+    faults: Faults,
+    /// Sequences the store held (created, nothing written: a batch's rows are created before
+    /// the first is prefilled), and the one prefilled.
+    created: u32,
+    seq: SeqId,
+    tokens: Vec<u32>,
+    logits_at: usize,
+}
+
+struct Prefilled {
+    logits: Array,
+    kv: Box<dyn KvCache>,
+    calls: Counters,
+}
+
+/// What the kept stores may reserve in all: a suite's prompts on its paths (SmolLM2's suite keeps
+/// 25 stores of about 11.5 MiB each), not a corpus's every text.
+const PREFILLS_MAX_BYTES: u64 = 512 << 20;
+
+impl Prefills {
+    /// Forwards served from a kept prefill instead of computed.
+    pub fn served(&self) -> u64 {
+        self.served.get()
+    }
+
+    /// The kept prefill of `key`, now the most recently used.
+    fn get(&self, key: &PrefillKey) -> Option<Rc<Prefilled>> {
+        let mut kept = self.kept.borrow_mut();
+        let at = kept.iter().position(|(k, _)| k == key)?;
+        let entry = kept.remove(at)?;
+        let p = Rc::clone(&entry.1);
+        kept.push_back(entry);
+        self.served.set(self.served.get() + 1);
+        Some(p)
+    }
+
+    fn keep(&self, key: PrefillKey, prefilled: Prefilled) {
+        let mut kept = self.kept.borrow_mut();
+        kept.push_back((key, Rc::new(prefilled)));
+        let bytes = |kept: &VecDeque<(PrefillKey, Rc<Prefilled>)>| -> u64 {
+            kept.iter().map(|(_, p)| p.kv.stats().bytes_reserved).sum()
+        };
+        while kept.len() > 1 && bytes(&kept) > PREFILLS_MAX_BYTES {
+            kept.pop_front();
+        }
+    }
 }
 
 impl<'m> Builtin<'m> {
@@ -46,7 +122,12 @@ impl<'m> Builtin<'m> {
                 faults: path.faults(),
             },
         };
-        Builtin { model, path, settings: settings.clone(), info, kv: None }
+        Builtin { model, path, settings: settings.clone(), info, kv: None, prefills: None }
+    }
+
+    /// This path with its sessions' first prefills kept in, and taken from, `prefills`.
+    pub fn sharing(self, prefills: &'m Prefills) -> Self {
+        Builtin { prefills: Some(prefills), ..self }
     }
 
     pub fn path(&self) -> BuiltinPath {
@@ -78,11 +159,24 @@ impl EnginePath for Builtin<'_> {
     }
 
     fn session(&mut self, faults: Faults) -> Result<Box<dyn Session + '_>> {
+        let prefills = self.prefills;
+        self.open(faults, prefills)
+    }
+
+    fn computed_session(&mut self, faults: Faults) -> Result<Box<dyn Session + '_>> {
+        self.open(faults, None)
+    }
+}
+
+impl<'m> Builtin<'m> {
+    fn open(&mut self, faults: Faults, prefills: Option<&'m Prefills>) -> Result<Box<dyn Session + '_>> {
         // A row-by-row path has no code for the batching faults: a skip, never a quiet pass.
         self.info.check_faults(faults)?;
         let kv = self.kv(faults)?;
         let (kv, calls) = self.kv.insert((kv, Counters::default()));
-        Ok(Box::new(BuiltinSession::new(self.model, kv.as_mut(), calls, faults, self.path.attention)))
+        let mut session = BuiltinSession::new(self.model, kv.as_mut(), calls, faults, self.path.attention);
+        session.first = prefills.map(|p| (p, self.path, First::Created(0)));
+        Ok(Box::new(session))
     }
 }
 
@@ -95,6 +189,18 @@ pub struct BuiltinSession<'a> {
     calls: &'a mut Counters,
     faults: Faults,
     attention: AttentionMode,
+    /// Where first prefills are kept, this session's path, and how far the session is from a
+    /// fresh store (`None`: nothing is kept).
+    first: Option<(&'a Prefills, BuiltinPath, First)>,
+}
+
+/// How far a session is from its fresh, empty store.
+#[derive(Clone, Copy, PartialEq)]
+enum First {
+    /// Only sequences created (ids `0..n`), none with a masked prefix: `Created(0)` is empty.
+    Created(u32),
+    /// Anything else: no forward from here on is a first prefill.
+    Past,
 }
 
 impl<'a> BuiltinSession<'a> {
@@ -105,24 +211,27 @@ impl<'a> BuiltinSession<'a> {
         faults: Faults,
         attention: AttentionMode,
     ) -> Self {
-        BuiltinSession { model, kv, calls, faults, attention }
-    }
-}
-
-impl Session for BuiltinSession<'_> {
-    fn create(&mut self, masked_prefix: usize) -> Result<SeqId> {
-        self.kv.create(masked_prefix)
+        BuiltinSession { model, kv, calls, faults, attention, first: None }
     }
 
-    fn len(&self, seq: SeqId) -> Result<usize> {
-        self.kv.len(seq)
+    /// Note that the session did something other than create an unmasked sequence.
+    fn moved(&mut self) {
+        if let Some((_, _, at)) = &mut self.first {
+            *at = First::Past;
+        }
     }
 
-    fn masked_prefix(&self, seq: SeqId) -> Result<usize> {
-        self.kv.masked_prefix(seq)
+    /// The key of `rows` when they are a fresh store's first prefill.
+    fn first_prefill(&self, rows: &[RowStep]) -> Option<(&'a Prefills, PrefillKey)> {
+        let (prefills, path, First::Created(created)) = self.first? else { return None };
+        let [row] = rows else { return None };
+        (row.seq.0 < created).then(|| {
+            let (faults, tokens, logits_at) = (self.faults, row.tokens.clone(), row.logits_at);
+            (prefills, PrefillKey { path, faults, created, seq: row.seq, tokens, logits_at })
+        })
     }
 
-    fn forward(&mut self, rows: &[RowStep]) -> Result<Array> {
+    fn compute(&mut self, rows: &[RowStep]) -> Result<Array> {
         // Sessions of one model interleave (a reference is computed in the middle of a
         // faulty path's case): the faults are this session's, set for each of its steps.
         self.model.set_faults(self.faults);
@@ -134,16 +243,52 @@ impl Session for BuiltinSession<'_> {
         c.max_rows = Some(c.max_rows.unwrap_or(0).max(rows.len() as u64));
         Ok(logits)
     }
+}
+
+impl Session for BuiltinSession<'_> {
+    fn create(&mut self, masked_prefix: usize) -> Result<SeqId> {
+        let seq = self.kv.create(masked_prefix)?;
+        match &mut self.first {
+            Some((_, _, First::Created(n))) if masked_prefix == 0 && seq.0 == *n => *n += 1,
+            _ => self.moved(),
+        }
+        Ok(seq)
+    }
+
+    fn len(&self, seq: SeqId) -> Result<usize> {
+        self.kv.len(seq)
+    }
+
+    fn masked_prefix(&self, seq: SeqId) -> Result<usize> {
+        self.kv.masked_prefix(seq)
+    }
+
+    fn forward(&mut self, rows: &[RowStep]) -> Result<Array> {
+        let first = self.first_prefill(rows);
+        self.moved();
+        let Some((prefills, key)) = first else { return self.compute(rows) };
+        if let Some(kept) = prefills.get(&key) {
+            self.kv.restore(kept.kv.as_ref())?;
+            *self.calls = kept.calls;
+            return Ok(kept.logits.clone());
+        }
+        let logits = self.compute(rows)?;
+        prefills.keep(key, Prefilled { logits: logits.clone(), kv: self.kv.fork(), calls: *self.calls });
+        Ok(logits)
+    }
 
     fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize> {
+        self.moved();
         self.kv.trim(seq, n)
     }
 
     fn release(&mut self, seq: SeqId) -> Result<()> {
+        self.moved();
         self.kv.release(seq)
     }
 
     fn share_prefix(&mut self, donor: SeqId, rows: usize) -> Result<Option<(SeqId, ShareMode)>> {
+        self.moved();
         self.kv.share_prefix(donor, rows)
     }
 

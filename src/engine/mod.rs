@@ -170,6 +170,13 @@ pub trait EnginePath {
     /// A fresh KV store with `faults` planted (none for references). Every sequence of an
     /// earlier session is gone.
     fn session(&mut self, faults: Faults) -> Result<Box<dyn Session + '_>>;
+
+    /// [`session`](Self::session) with every forward computed, none served from an earlier
+    /// session's identical one (builtin paths on the CPU keep fresh sessions' first prefills,
+    /// see [`builtin::Prefills`]): for a case whose point is to compare two runs of the path.
+    fn computed_session(&mut self, faults: Faults) -> Result<Box<dyn Session + '_>> {
+        self.session(faults)
+    }
 }
 
 /// A stand-in path for planning: scenarios name their rows before they touch an engine, so a
@@ -266,6 +273,8 @@ pub struct Engine<'a> {
     spec: &'a CheckpointSpec,
     dirs: Dirs<'a>,
     model: Option<Model>,
+    /// Every builtin path's first prefills (see [`builtin::Prefills`]).
+    prefills: builtin::Prefills,
 }
 
 impl<'a> Engine<'a> {
@@ -277,7 +286,7 @@ impl<'a> Engine<'a> {
         } else {
             None
         };
-        Ok(Engine { spec, dirs, model })
+        Ok(Engine { spec, dirs, model, prefills: builtin::Prefills::default() })
     }
 
     /// Open path `name`, or the reference path when `name` is `None`.
@@ -288,7 +297,10 @@ impl<'a> Engine<'a> {
                 .model
                 .as_ref()
                 .ok_or_else(|| crate::error::Error::Invalid("the builtin runtime's weights were not loaded".into()))?;
-            Ok(Box::new(builtin::Builtin::new(model, path, settings)))
+            let path = builtin::Builtin::new(model, path, settings);
+            // MLX's CPU backend computes the same bits on every run (every committed snapshot
+            // rests on it); a GPU's reductions need not, and two runs there are two results.
+            Ok(Box::new(if crate::environment::device() == "cpu" { path.sharing(&self.prefills) } else { path }))
         };
         let target = match name {
             Some(n) => ReferenceSpec::Path(n.to_string()),

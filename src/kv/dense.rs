@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 /// Slots grow by this many rows at a time, so decode does not reallocate every step.
 const STEP: usize = 256;
 
+#[derive(Clone)]
 struct Sequence {
     /// The one counter (see the module docs of `kv`).
     len: usize,
@@ -29,6 +30,7 @@ struct Sequence {
     slot: Option<usize>,
 }
 
+#[derive(Clone)]
 pub struct DenseCache {
     shape: KvShape,
     store: RowStore,

@@ -157,7 +157,7 @@ impl Counters {
     }
 }
 
-pub trait KvCache {
+pub trait KvCache: Fork {
     fn backend(&self) -> Backend;
 
     /// A new empty sequence. Its first `masked_prefix` rows (left padding of a batched
@@ -216,6 +216,42 @@ pub trait KvCache {
     /// sequence outright and have no books to balance.
     fn audit(&self) -> Result<()> {
         Ok(())
+    }
+}
+
+/// Copies of a KV store, for every backend that is `Clone`.
+pub trait Fork {
+    /// A copy of the store as it stands: its sequences, books and counters, and its rows (MLX
+    /// buffers shared, never written through: MLX updates a buffer in place only when one array
+    /// alone holds it, so the next write to either copy copies it first).
+    fn fork(&self) -> Box<dyn KvCache>;
+
+    /// Become a copy of `saved` ([`fork`](Self::fork)'s result, of this backend); a store of
+    /// another backend is an error and leaves this one as it was.
+    fn restore(&mut self, saved: &dyn KvCache) -> Result<()>;
+
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+impl<T: KvCache + Clone + 'static> Fork for T {
+    fn fork(&self) -> Box<dyn KvCache> {
+        Box::new(self.clone())
+    }
+
+    fn restore(&mut self, saved: &dyn KvCache) -> Result<()> {
+        let copy = saved.as_any().downcast_ref::<T>().ok_or_else(|| {
+            crate::error::Error::Kv(format!(
+                "a {} store cannot be restored from a {} one",
+                self.backend().name(),
+                saved.backend().name()
+            ))
+        })?;
+        *self = copy.clone();
+        Ok(())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -303,6 +339,7 @@ impl KvShape {
 
 /// The live sequences of a backend, by id: ids are never reused, and an unknown id is an
 /// error (not a panic) wherever a caller passes one.
+#[derive(Clone)]
 pub(crate) struct SeqMap<T> {
     seqs: BTreeMap<SeqId, T>,
     next_id: u32,

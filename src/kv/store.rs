@@ -20,6 +20,7 @@ use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use super::KvShape;
 use crate::error::{Error, Result};
 
+#[derive(Clone)]
 pub(crate) struct RowStore {
     /// Per layer (K, V), each `[kv_heads, rows, head_dim]`; empty until the first growth.
     layers: Vec<(Array, Array)>,
@@ -191,6 +192,13 @@ impl RowStore {
 /// operation left empty (seen on MLX's CUDA backend after an illegal memory access), where the
 /// next MLX operation on it returns an error that reaches the row.
 pub(crate) struct Memo<K, V>(std::cell::RefCell<Option<(K, Rc<V>)>>);
+
+/// A copy starts empty: what it memoized is rebuilt on first use, never shared between stores.
+impl<K, V> Clone for Memo<K, V> {
+    fn clone(&self) -> Self {
+        Memo(std::cell::RefCell::new(None))
+    }
+}
 
 impl<K: PartialEq, V> Memo<K, V> {
     pub(crate) fn new() -> Self {

@@ -54,7 +54,7 @@ pub(super) fn wanted(setup: &Setup, prompts: &[Prompt]) -> bool {
 
 fn cases(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
     let references = references(setup, path, prompts)?;
-    let Ran { mut session, requests, peak_batch } = drive(setup, path, prompts, &references)?;
+    let Ran { mut session, requests, peak_batch } = drive(setup, path, prompts, &references, false)?;
     requests
         .into_iter()
         .map(|r| {
@@ -78,16 +78,18 @@ pub(super) fn references(setup: &mut Setup, path: &dyn EnginePath, prompts: &[Pr
 }
 
 /// Run the schedule once on a fresh session of `path`, every request fed `references`'
-/// tokens (teacher forcing), so two runs of it are fed the same inputs step for step.
+/// tokens (teacher forcing), so two runs of it are fed the same inputs step for step;
+/// `computed`: every forward computed, none served from an earlier session's.
 pub(super) fn drive<'p>(
     setup: &mut Setup,
     path: &'p mut dyn EnginePath,
     prompts: &[Prompt],
     references: &[Trace],
+    computed: bool,
 ) -> Result<Ran<'p>> {
     let s = setup.settings.concurrent.clone();
     let max_tokens = setup.settings.max_tokens;
-    let mut session = setup.open(path)?;
+    let mut session = if computed { setup.open_computed(path)? } else { setup.open(path)? };
     let mut pending = Vec::new();
     for ((j, arrival), reference) in s.schedule(max_tokens).into_iter().enumerate().zip(references) {
         let prompt = prompts[j % prompts.len()].clone();

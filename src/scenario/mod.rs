@@ -267,6 +267,12 @@ impl<'r> Setup<'r> {
         Ok(Watched::new(path.session(self.faults)?, block_size))
     }
 
+    /// [`open`](Self::open), every forward computed ([`EnginePath::computed_session`]).
+    pub fn open_computed<'p>(&self, path: &'p mut dyn EnginePath) -> Result<Watched<'p>> {
+        let block_size = path.info().capabilities.block_size;
+        Ok(Watched::new(path.computed_session(self.faults)?, block_size))
+    }
+
     /// Time spent on the reference path so far.
     pub fn reference_time(&self) -> Duration {
         self.reference_time

@@ -22,13 +22,15 @@ pub fn run(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> 
 
 fn twice(setup: &mut Setup, path: &mut dyn EnginePath, prompts: &[Prompt]) -> Result<Vec<CaseOutput>> {
     let references = concurrent::references(setup, path, prompts)?;
-    // The first run is only what the second is compared with: its session ends here.
-    let first: Vec<Trace> = concurrent::drive(setup, path, prompts, &references)?
+    // Both runs computed in full: a first prefill served from the first run's (what a path
+    // does for sessions that begin alike) would be compared with itself. The first run is only
+    // what the second is compared with: its session ends here.
+    let first: Vec<Trace> = concurrent::drive(setup, path, prompts, &references, true)?
         .requests
         .into_iter()
         .map(|r| Trace { tokens: r.live.trace.tokens, logits: r.live.trace.logits })
         .collect();
-    let Ran { mut session, requests, peak_batch } = concurrent::drive(setup, path, prompts, &references)?;
+    let Ran { mut session, requests, peak_batch } = concurrent::drive(setup, path, prompts, &references, true)?;
     requests
         .into_iter()
         .zip(&first)

@@ -83,6 +83,7 @@ impl Table {
     }
 }
 
+#[derive(Clone)]
 struct PagedSeq {
     /// The one counter (see the module docs of `kv`): every group's table is sized from it.
     len: usize,
@@ -100,6 +101,7 @@ enum Plan {
 }
 
 /// The layers that share block tables: every global layer, or every layer of one window.
+#[derive(Clone)]
 struct Group {
     /// `None`: a global group (every row is kept). `Some(w)`: a query at position p sees the
     /// positions `p + 1 - w..=p` only.
@@ -151,6 +153,7 @@ impl Group {
     }
 }
 
+#[derive(Clone)]
 pub struct PagedBlockPool {
     shape: KvShape,
     opts: PoolOptions,
