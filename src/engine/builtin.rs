@@ -40,8 +40,8 @@ pub struct Builtin<'m> {
 /// a function of the path (backend and attention), the faults planted, the sequences created
 /// and the row alone. Every scenario starts that way (a single prompt, the first row of a batch,
 /// a rollback, the reference and its noise floor), so a suite prefills each prompt dozens of
-/// times on each path, the same computation each time (MLX on one machine computes the same
-/// bits). Kept here are the logits, the store as the forward left it and the calls counted; the
+/// times on each path, the same computation each time (on the CPU, where MLX computes the same
+/// bits on every run: `Engine` shares these only there). Kept here are the logits, the store as the forward left it and the calls counted; the
 /// next such forward gets copies and computes nothing, and whatever it does next runs for real
 /// on its copy. Shared by every path of one loaded model, so that the dense path's prefills are
 /// the reference's (the key names the path: a path never gets another's). Bounded by the bytes
