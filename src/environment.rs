@@ -34,8 +34,8 @@ pub struct Environment {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allocator: Option<String>,
     /// The flags MLX's CPU JIT compiles fused kernels with beyond its own, when parity set them
-    /// ([`compile_mlx_kernels_for_this_cpu`]): `-march=x86-64-v3 -ffp-contract=off -fno-trapping-math --param=max-inline-insns-auto=200`.
-    /// Speed only; every result is the same bit for bit.
+    /// ([`compile_mlx_kernels_for_this_cpu`]): `g++` and its `JIT_FLAGS`. Speed only; every result
+    /// is the same bit for bit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mlx_jit: Option<String>,
     /// `MLX_ENABLE_TF32` as this run saw it (`None`: unset). On CUDA, MLX runs float32 matmuls

@@ -134,6 +134,18 @@ impl<'m> Builtin<'m> {
         self.path
     }
 
+    /// A session over a fresh store with `faults` planted, its first prefill kept in and taken
+    /// from `prefills` when given.
+    fn open(&mut self, faults: Faults, prefills: Option<&'m Prefills>) -> Result<Box<dyn Session + '_>> {
+        // A row-by-row path has no code for the batching faults: a skip, never a quiet pass.
+        self.info.check_faults(faults)?;
+        let kv = self.kv(faults)?;
+        let (kv, calls) = self.kv.insert((kv, Counters::default()));
+        let mut session = BuiltinSession::new(self.model, kv.as_mut(), calls, faults, self.path.attention);
+        session.first = prefills.map(|p| (p, self.path, First::Created(0)));
+        Ok(Box::new(session))
+    }
+
     /// A fresh KV store of this path's backend with `faults` planted in it.
     pub fn kv(&self, faults: Faults) -> Result<Box<dyn KvCache>> {
         Ok(match self.path.backend {
@@ -165,18 +177,6 @@ impl EnginePath for Builtin<'_> {
 
     fn computed_session(&mut self, faults: Faults) -> Result<Box<dyn Session + '_>> {
         self.open(faults, None)
-    }
-}
-
-impl<'m> Builtin<'m> {
-    fn open(&mut self, faults: Faults, prefills: Option<&'m Prefills>) -> Result<Box<dyn Session + '_>> {
-        // A row-by-row path has no code for the batching faults: a skip, never a quiet pass.
-        self.info.check_faults(faults)?;
-        let kv = self.kv(faults)?;
-        let (kv, calls) = self.kv.insert((kv, Counters::default()));
-        let mut session = BuiltinSession::new(self.model, kv.as_mut(), calls, faults, self.path.attention);
-        session.first = prefills.map(|p| (p, self.path, First::Created(0)));
-        Ok(Box::new(session))
     }
 }
 
