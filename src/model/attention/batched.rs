@@ -107,15 +107,12 @@ pub fn attend(
     let mask = memo.get_or_try((read.visible, read.first), |(visible, first)| {
         Ok(mask(visible, first, &ctx.masked, step.tokens, view.window, ctx.faults))
     })?;
-    let (keys, values) = (&read.keys, &read.values);
-    Ok(match &*mask {
-        Mask::None => mlx_rs::fast::scaled_dot_product_attention(&q, keys, values, scale, None, None)?,
-        Mask::Causal => {
-            let causal = ScaledDotProductAttentionMask::Causal;
-            mlx_rs::fast::scaled_dot_product_attention(&q, keys, values, scale, causal, None)?
-        }
-        Mask::Array(m) => mlx_rs::fast::scaled_dot_product_attention(&q, keys, values, scale, m, None)?,
-    })
+    let mask = match &*mask {
+        Mask::None => None,
+        Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
+        Mask::Array(m) => Some(ScaledDotProductAttentionMask::Array(m)),
+    };
+    super::attend_keys(&q, &read.keys, &read.values, scale, mask)
 }
 
 /// The mask for rows whose keys are `visible[b]` long (each row's last `t` are this step's

@@ -44,13 +44,12 @@ pub fn attend(
         // width is the keys actually read.
         let out = if masked > first || view.window.is_some_and(|w| n > w) {
             let mask = row_mask(ctx.starts[i], t as usize, first, n, masked, view.window);
-            mlx_rs::fast::scaled_dot_product_attention(qr, keys, values, scale, &mask, None)?
+            super::attend_keys(qr, keys, values, scale, Some((&mask).into()))?
         } else if t > 1 {
             // Causal, aligned to the bottom right: query j sits at row start + j.
-            let causal = ScaledDotProductAttentionMask::Causal;
-            mlx_rs::fast::scaled_dot_product_attention(qr, keys, values, scale, causal, None)?
+            super::attend_keys(qr, keys, values, scale, Some(ScaledDotProductAttentionMask::Causal))?
         } else {
-            mlx_rs::fast::scaled_dot_product_attention(qr, keys, values, scale, None, None)?
+            super::attend_keys(qr, keys, values, scale, None)?
         };
         outs.push(out);
     }
