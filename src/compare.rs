@@ -8,11 +8,13 @@
 //! is fetched (k values, not the vocabulary).
 
 use mlx_rs::Array;
+use mlx_rs::error::Exception;
 use serde::{Deserialize, Serialize};
 
 use crate::array::host_f32;
 use crate::dtype::DtypeName;
 use crate::error::{Error, Result};
+use crate::fused::Fused;
 use crate::vocab::{LogprobTrace, PathTrace, PositionSample, Trace, Verdict};
 
 /// Per-step logit metrics, path `a` against reference `r` on the same vocabulary row.
@@ -112,7 +114,7 @@ pub fn step_metrics(reference: &[Array], path: &[Array]) -> Result<Vec<StepMetri
     let max_abs = d.abs()?.max_axis(-1, false)?;
     let lr = log_softmax(&r)?;
     let la = log_softmax(&a)?;
-    let kl = lr.exp()?.multiply(&lr.subtract(&la)?)?.sum_axis(-1, false)?;
+    let kl = kl(&lr, &la)?;
     let (rel, max_abs, kl) = (host_f32(&rel)?, host_f32(&max_abs)?, host_f32(&kl)?);
     Ok((0..s).map(|i| StepMetrics { rel_rms: rel[i], max_abs: max_abs[i], kl: kl[i].max(0.0) }).collect())
 }
@@ -138,7 +140,7 @@ pub fn position_samples(
     let r = mlx_rs::ops::stack(&reference[..n], 0)?.as_dtype(f32t)?;
     let a = mlx_rs::ops::stack(&path[..n], 0)?.as_dtype(f32t)?;
     let (lr, la) = (log_softmax(&r)?, log_softmax(&a)?);
-    let kl = lr.exp()?.multiply(&lr.subtract(&la)?)?.sum_axis(-1, false)?;
+    let kl = kl(&lr, &la)?;
     let targets = Array::from_slice(&next[..n].iter().map(|&t| t as i32).collect::<Vec<_>>(), &[n as i32, 1]);
     let p = |l: &Array| -> Result<Vec<f32>> { host_f32(&l.take_along_axis(&targets, -1)?.exp()?) };
     let (p_reference, p_path) = (p(&lr)?, p(&la)?);
@@ -229,9 +231,44 @@ pub fn topk_position_samples(
     Ok(out)
 }
 
+/// `x - logsumexp(x)` over the last axis of float32 rows. On the CPU with the logsumexp spelled
+/// out as MLX's kernel computes it (the row's max, `exp` of each difference summed left to
+/// right from zero, then `log(sum) + max`, or the max itself where it is infinite) and compiled
+/// for the host ([`crate::fused`]): MLX's kernel calls `exp` out of line for each element, and
+/// the judge reads every logit of every step it compares. The same bits
+/// (`tests::the_judge_s_fused_log_softmax_and_kl_are_mlx_s_bit_for_bit`).
 fn log_softmax(x: &Array) -> Result<Array> {
-    let lse = mlx_rs::ops::logsumexp_axis(x, -1, true)?;
-    Ok(x.subtract(&lse)?)
+    if crate::environment::device() != "cpu" {
+        let lse = mlx_rs::ops::logsumexp_axis(x, -1, true)?;
+        return Ok(x.subtract(&lse)?);
+    }
+    LOG_SOFTMAX.with(|f| f.call(std::slice::from_ref(x)))
+}
+
+/// Each row's KL divergence of `la` from `lr` (log-probabilities), `sum(exp(lr) * (lr - la))`,
+/// its elementwise terms fused on the CPU as in [`log_softmax`].
+fn kl(lr: &Array, la: &Array) -> Result<Array> {
+    let terms = if crate::environment::device() == "cpu" {
+        KL_TERMS.with(|f| f.call(&[lr.clone(), la.clone()]))?
+    } else {
+        kl_terms(lr, la)?
+    };
+    Ok(terms.sum_axis(-1, false)?)
+}
+
+thread_local! {
+    static LOG_SOFTMAX: Fused = Fused::new(|a: &[Array]| log_softmax_ops(&a[0]));
+    static KL_TERMS: Fused = Fused::new(|a: &[Array]| kl_terms(&a[0], &a[1]));
+}
+
+fn log_softmax_ops(x: &Array) -> std::result::Result<Array, Exception> {
+    let max = x.max_axis(-1, true)?;
+    let lse = x.subtract(&max)?.exp()?.sum_axis(-1, true)?.log()?.add(&max)?;
+    x.subtract(mlx_rs::ops::select(max.is_inf()?, &max, &lse)?)
+}
+
+fn kl_terms(lr: &Array, la: &Array) -> std::result::Result<Array, Exception> {
+    lr.exp()?.multiply(lr.subtract(la)?)
 }
 
 /// Top-k `(token, logit)` of one row.
@@ -444,6 +481,33 @@ pub fn compare_logprobs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The judge's fused log-softmax and KL terms must be MLX's to the bit: every verdict, RMS
+    /// and KL in the committed snapshots was computed with MLX's own kernels. Rows of ordinary
+    /// logits, a masked row of -inf, an inf and a NaN.
+    #[test]
+    fn the_judge_s_fused_log_softmax_and_kl_are_mlx_s_bit_for_bit() {
+        crate::environment::use_device(crate::environment::DeviceChoice::Cpu).expect("the CPU is always there");
+        let v = 4099;
+        let mut host: Vec<f32> = mlx_rs::random::normal::<f32>(&[6, v], None, None, None)
+            .unwrap()
+            .multiply(mlx_rs::array!(7.0))
+            .unwrap()
+            .as_slice::<f32>()
+            .to_vec();
+        host[2 * v as usize..3 * v as usize].fill(f32::NEG_INFINITY);
+        host[3 * v as usize + 17] = f32::INFINITY;
+        host[4 * v as usize + 5] = f32::NAN;
+        let x = Array::from_slice(&host, &[6, v]);
+        let y = x.multiply(mlx_rs::array!(0.9)).unwrap();
+        let mlx_lsm = |a: &Array| a.subtract(mlx_rs::ops::logsumexp_axis(a, -1, true).unwrap()).unwrap();
+        let bits = |a: &Array| a.as_slice::<f32>().iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let (ours, theirs) = (log_softmax(&x).unwrap(), mlx_lsm(&x));
+        assert_eq!(bits(&ours), bits(&theirs), "log-softmax");
+        let (la, lb) = (mlx_lsm(&x), mlx_lsm(&y));
+        let unfused = la.exp().unwrap().multiply(la.subtract(&lb).unwrap()).unwrap().sum_axis(-1, false).unwrap();
+        assert_eq!(bits(&kl(&la, &lb).unwrap()), bits(&unfused), "KL");
+    }
 
     fn trace(steps: &[&[(u32, f64)]]) -> LogprobTrace {
         LogprobTrace {

@@ -4,7 +4,8 @@
 //! The house reads bottom up; no module imports from one above it:
 //!
 //! 1. foundation: [`Error`], `dtype`, `faults`, `names`, `proc` (children that die with
-//!    parity), `environment` (the MLX device and what reports record of it), `array`.
+//!    parity), `environment` (the MLX device and what reports record of it), `array`, `fused`
+//!    (chains of MLX operations compiled into one kernel, bit for bit).
 //! 2. parity's MLX runtime: [`checkpoint`] (config, safetensors, tokenizer, generated
 //!    fixtures), [`kv`] (dense buffers and the paged block pool behind one trait), [`model`]
 //!    (one forward pass per family).
@@ -35,6 +36,7 @@ mod engine;
 mod environment;
 mod error;
 pub mod faults;
+mod fused;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod kv;

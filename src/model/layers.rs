@@ -6,8 +6,8 @@ use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::{Array, Dtype};
 
-use super::fused::Fused;
 use super::twin::Twin;
+use crate::fused::Fused;
 
 use crate::checkpoint::weights::{Expect, packed_layout};
 use crate::checkpoint::{ModelConfig, QuantSpec, Quantization, WeightStore};
@@ -437,7 +437,7 @@ thread_local! {
 }
 
 /// `act(g) * u`, with `act` the operations of mlx-rs's `nn::silu` and `nn::gelu_approximate`
-/// in their order and dtypes (see [`super::fused`]; `tests::the_fused_gate_is_the_activation_times_up_bit_for_bit`).
+/// in their order and dtypes (see [`crate::fused`]; `tests::the_fused_gate_is_the_activation_times_up_bit_for_bit`).
 fn gated(g: &Array, u: &Array, activation: Activation) -> std::result::Result<Array, Exception> {
     use mlx_rs::array;
     use mlx_rs::ops::{sigmoid, sqrt, tanh};

@@ -4,7 +4,6 @@
 //! row by row ([`AttentionMode`]), a comparison of its own.
 
 pub mod attention;
-mod fused;
 pub mod gemma3;
 pub mod layers;
 pub mod llama;

@@ -12,9 +12,9 @@ use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{IndexOp, IntoStrideBy};
 use mlx_rs::{Array, Dtype};
 
-use super::fused::Fused;
 use crate::checkpoint::{ModelConfig, RopeScaling};
 use crate::error::{Error, Result};
+use crate::fused::Fused;
 
 /// One RoPE per kind of layer: the global one, and the sliding layers' own where the family
 /// has one.
@@ -191,7 +191,7 @@ thread_local! {
 }
 
 /// MLX's rope fallback after its angles: `x` (`[B, H, T, D]`) by `cos` and `sin` (`[B, 1, T,
-/// D / 2]`). Fused (see [`super::fused`]; `tests::shared_angles_rotate_bit_for_bit_as_mlx`
+/// D / 2]`). Fused (see [`crate::fused`]; `tests::shared_angles_rotate_bit_for_bit_as_mlx`
 /// holds it to MLX's own rope).
 fn rotation(x: &Array, cos: &Array, sin: &Array, traditional: bool) -> std::result::Result<Array, Exception> {
     let [b, h, t, d] = *x.shape() else {

@@ -17,13 +17,13 @@ use mlx_rs::error::Exception;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::{Array, Dtype};
 
-use super::fused::Fused;
 use super::layers::{Linear, LoadOptions, NormGain, RmsNorm, Stacked};
 use super::rope::{Rope, Ropes};
 use super::{Taps, tap};
 use crate::checkpoint::{ModelConfig, WeightStore};
 use crate::error::Result;
 use crate::faults::Faults;
+use crate::fused::Fused;
 use crate::kv::{KvCache, SeqId};
 
 /// How attention runs over the rows of a step (see the module docs).
@@ -217,7 +217,7 @@ const FUSED_SOFTMAX_MIN: i32 = 4096;
 /// after the weights. So on the CPU, for float32 scores of some size, this builds the same
 /// graph with the softmax's own operations in its order (the row's max, `exp` of the
 /// difference, their sum, its reciprocal, the product) compiled into one kernel for the host
-/// (see [`super::fused`]): 4.5x faster, and no bit moves (`tests::attention_is_mlx_s_bit_for_bit`).
+/// (see [`crate::fused`]): 4.5x faster, and no bit moves (`tests::attention_is_mlx_s_bit_for_bit`).
 pub(super) fn attend_keys(
     q: &Array,
     keys: &Array,

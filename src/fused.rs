@@ -1,9 +1,12 @@
 //! Chains of elementwise operations compiled into one MLX kernel each, for the places a step
-//! runs them on every layer: the RoPE rotation and the MLP's gate.
+//! runs them on every layer (the RoPE rotation, the MLP's gate, attention's softmax) and the
+//! judge on every step it compares (log-softmax, KL).
 //!
 //! Uncompiled, each operation of such a chain is an MLX operation of its own, a few
 //! microseconds of dispatch each on the CPU, and a decode step of a small model is made of
-//! them as much as of its weight reads. Fusing must not move a bit: every committed snapshot
+//! them as much as of its weight reads. Compiled, their `exp` is also inlined and vectorized
+//! for the host (see `environment::compile_mlx_kernels_for_this_cpu`), where MLX's own
+//! softmax and logsumexp kernels call it out of line, one element at a time. Fusing must not move a bit: every committed snapshot
 //! and the references were computed unfused. It does not, because a fused kernel performs the
 //! same float operations in the same order, each rounded to the operation's dtype, provided
 //! the compiler does not contract a multiply and an add into an fma: where parity builds
