@@ -314,6 +314,57 @@ fn shards_partition_the_suite_and_merge_back() {
     assert_eq!(merged["summary"]["rows"], full["summary"]["rows"]);
 }
 
+/// Worker processes must change nothing but the wall time: every row, field for field and in
+/// the same order, and every checkpoint's noise floors and prompts, as one process computes
+/// them (a cell run twice or by nobody, a reference read back wrong, or rows merged out of
+/// order would all show here). A checkpoint that starts processes refuses them.
+#[test]
+fn workers_compute_the_rows_one_process_computes() {
+    let dir = common::scratch("cli-jobs");
+    let path = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let run = |jobs: &str, out: &str| {
+        parity(&["run", "suites/fixtures.toml", "--no-snapshots", "--jobs", jobs, "--json", out])
+    };
+    let (one, two) = (path("one.json"), path("two.json"));
+    let o = run("1", &one);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    let o = run("2", &two);
+    assert_eq!(code(&o), 0, "{}", text(&o));
+    assert!(text(&o).contains("in 2 workers"), "{}", text(&o));
+    let load = |p: &str| -> serde_json::Value { serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
+    let (one, two) = (load(&one), load(&two));
+    assert!(one["summary"]["jobs"].is_null());
+    assert_eq!(two["summary"]["jobs"], 2);
+    assert_eq!(one["rows"], two["rows"]);
+    // Phases: each checkpoint's own first, then its cells in suite order, summed over workers.
+    let names = |r: &serde_json::Value| -> Vec<Vec<String>> {
+        r["checkpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["phases"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap().to_string()).collect())
+            .collect()
+    };
+    for (a, b) in names(&one).iter().zip(names(&two)) {
+        let cells = |v: &[String]| v.iter().filter(|n| n.contains(' ')).cloned().collect::<Vec<_>>();
+        assert_eq!(cells(a), cells(&b), "cells' phases in suite order");
+    }
+    assert!(text(&o).contains("(summed over 2 workers)"), "{}", text(&o));
+    let checkpoints = |r: &serde_json::Value| -> Vec<(serde_json::Value, serde_json::Value, serde_json::Value)> {
+        r["checkpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| (c["name"].clone(), c["noise_floor"].clone(), c["prompt_ids"].clone()))
+            .collect()
+    };
+    assert_eq!(checkpoints(&one), checkpoints(&two));
+
+    let o = parity(&["run", "suites/adapter.toml", "--jobs", "2", "--no-snapshots"]);
+    assert_eq!(code(&o), 2, "{}", text(&o));
+    assert!(text(&o).contains("--jobs 1"), "{}", text(&o));
+}
+
 #[test]
 fn generate_json_and_bad_checkpoint_errors() {
     let o = parity(&[
@@ -742,7 +793,8 @@ fn bench_profile_times_every_operation_of_a_step_once() {
 }
 
 /// The reference's work and the noise floors' are phases of their own, each counted once:
-/// they run when the first cell needs them and every later cell reuses them. Inside the first
+/// they run when the first cell needs them and every later cell reuses them (in one process:
+/// workers' phases are summed, see `workers_compute_the_rows_one_process_computes`). Inside the first
 /// cell's phase they made that scenario look several times slower than the same scenario on
 /// the next path (the floors, a batch of two per prompt, were 40% of SmolLM2's `single`), which
 /// sent a suite's time to the wrong place; a second such phase would mean one computed again.
@@ -750,7 +802,17 @@ fn bench_profile_times_every_operation_of_a_step_once() {
 fn a_stepped_run_times_its_references_and_noise_floors_once_and_apart_from_the_cells() {
     let (code, out, report) = common::run_report(
         "cli-phases",
-        &["suites/fixtures.toml", "--checkpoint", "llama-tiny", "--scenario", "single", "--scenario", "batch2"],
+        &[
+            "suites/fixtures.toml",
+            "--checkpoint",
+            "llama-tiny",
+            "--scenario",
+            "single",
+            "--scenario",
+            "batch2",
+            "--jobs",
+            "1",
+        ],
     );
     assert_eq!(code, 0, "{out}");
     let c = &report.checkpoints[0];

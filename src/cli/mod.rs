@@ -6,6 +6,7 @@ mod bench;
 mod explore;
 mod generate;
 mod inspect;
+mod jobs;
 mod locate;
 mod merge;
 mod review;
@@ -56,6 +57,7 @@ Exit codes:
 Environment:
   PARITY_DEVICE      default for --device (auto, cpu, gpu)
   PARITY_UPDATE      snapshot policy for run: new (default), always, unseen, no
+  PARITY_JOBS        default for run's --jobs (auto, or a number of worker processes)
   INSTA_UPDATE       read when PARITY_UPDATE is unset, with insta's meanings
   PARITY_SHARED      where the tests find ../shared (checkpoints, references)
   HF_HUB_CACHE, HF_HOME

@@ -40,6 +40,16 @@ pub struct Args {
     /// Where snapshot reports live (default: reports/ beside a suites/ directory, else next to the suite file).
     #[arg(long)]
     pub reports: Option<PathBuf>,
+    /// Worker processes to spread the suite's cells over, their rows merged into one report
+    /// (each computes with one BLAS thread). auto: one per core, up to 4, on the CPU when every
+    /// selected checkpoint runs on parity's builtin engine in this process and no --filter is
+    /// given; else 1.
+    #[arg(long, env = "PARITY_JOBS", default_value = "auto", value_name = "N")]
+    pub jobs: super::jobs::Jobs,
+    /// A worker of `--jobs`: run the cells claimed from its peers through this directory (and
+    /// share references there), write --json, nothing else.
+    #[arg(long, hide = true, value_name = "DIR")]
+    pub worker: Option<PathBuf>,
 }
 
 /// Options shared by `run` and `selftest`.
@@ -346,6 +356,11 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     let human = if a.common.stdout_taken() { Stream::Stderr } else { Stream::Stdout };
     let color = super::color(human.is_terminal());
+    if let Some(dir) = &a.worker {
+        opts.claims = Some(crate::run::Claims::new(&dir.join(super::jobs::CLAIMS)));
+        opts.shared = Some(dir.clone());
+        return worker(&a, &suite, &opts, color);
+    }
     if !opts.faults.is_empty() {
         human.print(&format!(
             "planted faults: {}\n\n",
@@ -354,7 +369,18 @@ pub fn run(a: Args) -> Result<ExitCode> {
     }
     // Servers under test log beside the suite's snapshots (kind = "openai").
     opts.server_logs = Some(reports_dir(&a.suite, &a.reports).join(&suite.name).join("logs"));
-    let mut report = run_suite(&suite, &opts, &Bars::new(&suite, color, Some(human)));
+    let jobs = match super::jobs::count(a.jobs, &suite, &opts, crate::run::cell_count(&suite, &opts)) {
+        Ok(n) => n,
+        Err(why) => {
+            eprintln!("error: {why}");
+            return Ok(ExitCode::from(EXIT_USAGE));
+        }
+    };
+    let mut report = if jobs > 1 {
+        super::jobs::run(&a, &suite, jobs, human, color)?
+    } else {
+        run_suite(&suite, &opts, &Bars::new(&suite, color, Some(human)))
+    };
     if report.rows.is_empty() {
         eprintln!("error: {}", crate::run::nothing_selected(&suite, &opts));
         return Ok(ExitCode::from(nothing));
@@ -410,6 +436,17 @@ pub fn run(a: Args) -> Result<ExitCode> {
         0
     };
     Ok(ExitCode::from(code))
+}
+
+/// A worker of `--jobs`: the cells it claims, their lines on stdout as they finish, its
+/// report to `--json`. Judging, snapshots and the exit code are the parent's.
+fn worker(a: &Args, suite: &crate::vocab::Suite, opts: &RunOptions, color: bool) -> Result<ExitCode> {
+    let report = run_suite(suite, opts, &Bars::new(suite, color, Some(Stream::Stdout)));
+    a.common.write_reports(&report)?;
+    if let Some(why) = opts.claims.as_ref().and_then(|c| c.failure()) {
+        anyhow::bail!("{why}");
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 #[cfg(test)]

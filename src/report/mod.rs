@@ -334,7 +334,12 @@ pub struct Summary {
     /// Those of `snapshot_changes` with no accepted snapshot yet (new, not changed).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub snapshot_new: Vec<String>,
+    /// Wall time of the run.
     pub seconds: f64,
+    /// Worker processes the cells ran in (`parity run --jobs`); absent: this one. Phase
+    /// times are then the workers' summed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jobs: Option<usize>,
 }
 
 impl Summary {

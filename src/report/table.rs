@@ -124,8 +124,9 @@ pub fn tail(report: &Report, color: bool) -> String {
     if !timed.is_empty() {
         out.push('\n');
     }
+    let summed = report.summary.jobs.map(|n| format!(" (summed over {n} workers)")).unwrap_or_default();
     for c in timed {
-        let _ = writeln!(out, "time  {}: {}", c.name, phase_line(c));
+        let _ = writeln!(out, "time  {}{summed}: {}", c.name, phase_line(c));
     }
 
     let s = &report.summary;
@@ -142,6 +143,9 @@ pub fn tail(report: &Report, color: bool) -> String {
     let mut last = s.line();
     if let Some(shard) = report.shard {
         let _ = write!(last, " (shard {}/{})", shard.index, shard.count);
+    }
+    if let Some(n) = report.summary.jobs {
+        let _ = write!(last, " in {n} workers");
     }
     let last = if report.failed() { paint.red(&last) } else { paint.green(&last) };
     let _ = writeln!(out, "{last}");

@@ -22,12 +22,14 @@ use crate::vocab::{
     BuiltinRef, CheckpointSpec, EngineSpec, Prompt, PromptSource, PromptSpec, ReferenceSpec, Scenario, Suite, Verdict,
 };
 
+mod claims;
 mod judge;
 mod requests;
 mod select;
 mod steps;
 mod witness;
 
+pub use claims::Claims;
 use select::Filter;
 pub use select::{check_selection, nothing_selected, nothing_tested};
 
@@ -49,6 +51,11 @@ pub struct RunOptions {
     /// `parity explore`: random schedules on every path within this budget, instead of the
     /// suite's scenarios.
     pub explore: Option<Budget>,
+    /// A worker of `parity run --jobs N`: runs only the cells it claims from the others.
+    pub claims: Option<Claims>,
+    /// A worker's directory shared with the others: references and noise floors computed once
+    /// for all of them (`scenario::shared`).
+    pub shared: Option<std::path::PathBuf>,
 }
 
 /// Progress callbacks; the CLI draws bars, tests pass [`NoProgress`].
@@ -66,6 +73,9 @@ impl Progress for NoProgress {}
 /// One cell of a checkpoint's scenario x path matrix, with the suite's prompts it runs: the
 /// unit of work (shards split by scenario).
 pub(crate) struct Cell {
+    /// Its place among the run's cells, counted over the whole suite in plan order (what
+    /// workers claim cells by).
+    pub index: usize,
     pub scenario: Scenario,
     pub path: String,
     pub prompts: Vec<usize>,
@@ -75,18 +85,25 @@ pub fn run_suite(suite: &Suite, opts: &RunOptions, progress: &dyn Progress) -> R
     let started = Instant::now();
     let mut rows = Vec::new();
     let mut checkpoints = Vec::new();
-    let mut cell_index = 0usize;
+    let (mut unit_index, mut cell_index) = (0usize, 0usize);
     for spec in &suite.checkpoints {
-        let cells = plan(suite, spec, opts, &mut cell_index);
+        let cells = plan(suite, spec, opts, &mut unit_index, &mut cell_index);
         if cells.is_empty() {
+            continue;
+        }
+        // A worker whose peers have taken every cell of this checkpoint loads nothing for it.
+        if let (Some(claims), Some(last)) = (&opts.claims, cells.last())
+            && !claims.any_free_through(last.index)
+        {
             continue;
         }
         progress.checkpoint(&spec.name, cells.len());
         let (report, mut r) = run_checkpoint(suite, spec, &cells, opts, progress);
         progress.checkpoint_done();
         // A checkpoint none of whose rows was selected is not part of this run: its absence
-        // must not make a bisect step unjudgeable, nor its load time show.
-        if r.is_empty() && opts.filter.is_some() {
+        // must not make a bisect step unjudgeable, nor its load time show. Nor is one whose
+        // cells a worker's peers all took.
+        if r.is_empty() && (opts.filter.is_some() || opts.claims.is_some()) {
             continue;
         }
         checkpoints.push(report);
@@ -126,10 +143,23 @@ fn environment(suite: &Suite, checkpoints: &[CheckpointReport]) -> crate::enviro
     env
 }
 
+/// How many cells the run has (filters and shard applied, `--filter` aside: it selects rows
+/// inside cells).
+pub fn cell_count(suite: &Suite, opts: &RunOptions) -> usize {
+    let (mut unit, mut cell) = (0, 0);
+    suite.checkpoints.iter().map(|spec| plan(suite, spec, opts, &mut unit, &mut cell).len()).sum()
+}
+
 /// The cells of one checkpoint this run (filters and shard applied). Shards split the suite
 /// by (checkpoint, scenario), numbered over the whole suite in file order, so every shard
 /// agrees on who runs what and each snapshot file comes from exactly one shard.
-fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usize) -> Vec<Cell> {
+fn plan(
+    suite: &Suite,
+    spec: &CheckpointSpec,
+    opts: &RunOptions,
+    index: &mut usize,
+    cell_index: &mut usize,
+) -> Vec<Cell> {
     let mut cells = Vec::new();
     if opts.checkpoints.as_ref().is_some_and(|c| !c.contains(&spec.name)) {
         return cells;
@@ -159,7 +189,8 @@ fn plan(suite: &Suite, spec: &CheckpointSpec, opts: &RunOptions, index: &mut usi
                 .map(|(i, _)| i)
                 .collect();
             if !prompts.is_empty() {
-                cells.push(Cell { scenario, path: path.clone(), prompts });
+                cells.push(Cell { index: *cell_index, scenario, path: path.clone(), prompts });
+                *cell_index += 1;
             }
         }
     }
@@ -224,7 +255,7 @@ fn run_checkpoint(
             };
             report.status = status;
             report.reason = Some(why.clone());
-            return (report, blanket_rows(suite, spec, cells, filter, verdict, &why));
+            return (report, blanket_rows(suite, spec, cells, opts, filter, verdict, &why));
         }
     };
     report.resolved = Some(dir.display().to_string());
@@ -237,7 +268,7 @@ fn run_checkpoint(
             let why = e.to_string();
             report.status = CheckpointStatus::Error;
             report.reason = Some(why.clone());
-            return (report, blanket_rows(suite, spec, cells, filter, Verdict::Error, &why));
+            return (report, blanket_rows(suite, spec, cells, opts, filter, Verdict::Error, &why));
         }
     };
     let r = Resolved { suite, spec, dir, config, tokenizer, loading, filter };
@@ -315,13 +346,14 @@ fn encode(p: &PromptSpec, tok: &Tokenizer, config: &ModelConfig, vocab: usize, m
 /// its time less the phases it recorded, so a report's phases add up to the run's time.
 fn each_cell<'c>(
     cells: impl IntoIterator<Item = &'c Cell>,
+    opts: &RunOptions,
     filter: Filter,
     progress: &dyn Progress,
     phases: &mut Vec<Phase>,
     mut run: impl FnMut(&Cell, &mut Vec<Phase>) -> Vec<Row>,
 ) -> Vec<Row> {
     let mut rows = Vec::new();
-    for cell in cells {
+    for cell in cells.into_iter().filter(|c| mine(opts, c)) {
         let label = format!("{} {}", cell.scenario.name(), cell.path);
         progress.cell(&label);
         let (t, before) = (Instant::now(), phases.len());
@@ -333,6 +365,12 @@ fn each_cell<'c>(
         rows.append(&mut cell_rows);
     }
     rows
+}
+
+/// Whether this process runs `cell`: always, unless it is one worker of several and another
+/// took the cell.
+fn mine(opts: &RunOptions, cell: &Cell) -> bool {
+    opts.claims.as_ref().is_none_or(|c| c.take(cell.index))
 }
 
 /// The rows of a cell's prompts that could not be encoded: each fails its own `*` row.
@@ -363,12 +401,13 @@ fn blanket_rows<'c>(
     suite: &Suite,
     spec: &CheckpointSpec,
     cells: impl IntoIterator<Item = &'c Cell>,
+    opts: &RunOptions,
     filter: Filter,
     verdict: Verdict,
     why: &str,
 ) -> Vec<Row> {
     let mut rows = Vec::new();
-    for c in cells {
+    for c in cells.into_iter().filter(|c| mine(opts, c)) {
         for &p in &c.prompts {
             let mut row = cell_row(spec, c, &suite.prompts[p].name, "*", verdict);
             row.pass = verdict == Verdict::Skipped;

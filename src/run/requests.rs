@@ -39,7 +39,7 @@ pub(super) fn run(
         // parity can plant faults only in its own runtime: a selftest through a server would
         // "catch" nothing and prove nothing.
         let why = format!("engine {} (kind openai) cannot plant faults", o.name);
-        return blanket_rows(suite, spec, cells, r.filter, Verdict::Skipped, &why);
+        return blanket_rows(suite, spec, cells, opts, r.filter, Verdict::Skipped, &why);
     }
 
     // A server's vocabulary is its tokenizer's (config.json may pad the embedding).
@@ -62,7 +62,7 @@ pub(super) fn run(
             let why = format!("reference path `{}` did not start: {why}", o.reference);
             report.status = CheckpointStatus::Error;
             report.reason = Some(why.clone());
-            return blanket_rows(suite, spec, cells, r.filter, Verdict::Error, &why);
+            return blanket_rows(suite, spec, cells, opts, r.filter, Verdict::Error, &why);
         }
     };
     let max_tokens = spec.settings.max_tokens;
@@ -121,7 +121,7 @@ pub(super) fn run(
     let pinned = suite.request_scripts();
     report.phases.push(Phase { name: "reference".into(), seconds: t.elapsed().as_secs_f64() });
 
-    let rows = each_cell(cells, r.filter, progress, &mut report.phases, |cell, phases| {
+    let rows = each_cell(cells, opts, r.filter, progress, &mut report.phases, |cell, phases| {
         let mut rows = unencoded_rows(r, cell, &prompts);
         let judge = Judge { spec, cell, tokenizer: &r.tokenizer };
         let mine: Vec<Prompt> = cell.prompts.iter().filter_map(|p| prompts[p].as_ref().ok().cloned()).collect();

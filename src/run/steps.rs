@@ -50,7 +50,7 @@ pub(super) fn run(
     let error = |report: &mut CheckpointReport, why: String| {
         report.status = CheckpointStatus::Error;
         report.reason = Some(why.clone());
-        blanket_rows(suite, spec, cells.iter().copied(), r.filter, Verdict::Error, &why)
+        blanket_rows(suite, spec, cells.iter().copied(), opts, r.filter, Verdict::Error, &why)
     };
     let suite_dir = suite.dir();
     let engine = match Engine::load(spec, Dirs { checkpoint: &r.dir, suite_dir: &suite_dir }, config) {
@@ -96,7 +96,20 @@ pub(super) fn run(
     }
     let mut setup = Setup::new(reference.as_mut(), spec.settings.clone(), opts.faults, pad);
     setup.scripts = suite.step_scripts();
-    let rows = each_cell(cells.iter().copied(), r.filter, progress, &mut report.phases, |cell, phases| {
+    if let Some(dir) = &opts.shared {
+        setup.share(scenario::shared::Shared::new(dir, &spec.name));
+        // Every row needs its prompt's reference and noise floor: the workers split them
+        // first. (A narrow --filter needs few: those come when asked for.)
+        if opts.filter.is_none() {
+            setup.prefetch(&all);
+            for (name, t) in [("reference", setup.reference_time()), ("noise-floor", setup.floor_time())] {
+                if !t.is_zero() {
+                    report.phases.push(Phase { name: name.into(), seconds: t.as_secs_f64() });
+                }
+            }
+        }
+    }
+    let rows = each_cell(cells.iter().copied(), opts, r.filter, progress, &mut report.phases, |cell, phases| {
         let mut rows = unencoded_rows(r, cell, &prompts);
         let (reference_before, floor_before) = (setup.reference_time(), setup.floor_time());
         let good: Vec<Prompt> = cell.prompts.iter().filter_map(|p| prompts[p].as_ref().ok().cloned()).collect();

@@ -23,6 +23,7 @@ pub mod repeat;
 pub mod requests;
 pub mod rollback;
 pub mod script;
+pub mod shared;
 pub mod single;
 mod watched;
 
@@ -224,6 +225,8 @@ pub struct Setup<'r> {
     /// Time spent measuring noise floors, less the references they needed: the reference path
     /// re-run next to a partner, a forward of two rows a step (as long as a batch2 row).
     floor_time: Duration,
+    /// Where this run's workers share references and floors (`parity run --jobs`).
+    shared: Option<shared::Shared>,
 }
 
 /// A token stream as the reference reads it: fixed tokens (a prompt, or a donor's rows and a
@@ -258,7 +261,13 @@ impl<'r> Setup<'r> {
             scripts: Vec::new(),
             reference_time: Duration::ZERO,
             floor_time: Duration::ZERO,
+            shared: None,
         }
+    }
+
+    /// Share references and noise floors with the run's other workers through `shared`.
+    pub fn share(&mut self, shared: shared::Shared) {
+        self.shared = Some(shared);
     }
 
     /// A fresh session of `path` with this run's faults planted, watched (see [`Watched`]).
@@ -306,23 +315,58 @@ impl<'r> Setup<'r> {
 
     /// The reference for `prompt`: the reference path, one sequence, unpadded, greedy.
     pub fn reference(&mut self, prompt: &[u32]) -> Result<Trace> {
+        self.reference_now(prompt, true).unwrap_or_else(|| Err(Error::Invalid("reference not computed".into())))
+    }
+
+    /// [`reference`](Self::reference); `wait`: for a worker sharing it that is computing it
+    /// now, else `None` while one is.
+    fn reference_now(&mut self, prompt: &[u32], wait: bool) -> Option<Result<Trace>> {
         if let Some(t) = self.references.get(prompt) {
-            return Ok(t.clone());
+            return Some(Ok(t.clone()));
         }
         let started = Instant::now();
         let steps = self.settings.max_tokens;
-        let run = self.reference.session(Faults::NONE).and_then(|mut s| engine::generate(s.as_mut(), prompt, steps));
+        let reference = &mut *self.reference;
+        let mut compute = || {
+            reference
+                .session(Faults::NONE)
+                .and_then(|mut s| engine::generate(s.as_mut(), prompt, steps))
+                .map(|(_, t)| t)
+        };
+        let run = match &self.shared {
+            Some(shared) => shared.reference(prompt, steps, wait, compute)?,
+            None => compute(),
+        };
         // The prompt cannot run on the reference path at all: its rows fail, saying where.
-        let (_, trace) = run.map_err(|e| match e {
-            Error::Unsupported(why) => Error::Unsupported(why),
-            e => Error::Invalid(format!("reference run failed: {e}")),
-        })?;
-        // NaN in the reference is the checkpoint's or the runtime's, never the pool's: said so,
-        // instead of a pool bug blamed on every row of the prompt.
-        require_finite("reference logits", &trace.logits)?;
-        self.references.insert(prompt.to_vec(), trace.clone());
+        let checked = run
+            .map_err(|e| match e {
+                Error::Unsupported(why) => Error::Unsupported(why),
+                e => Error::Invalid(format!("reference run failed: {e}")),
+            })
+            // NaN in the reference is the checkpoint's or the runtime's, never the pool's: said
+            // so, instead of a pool bug blamed on every row of the prompt.
+            .and_then(|trace| require_finite("reference logits", &trace.logits).map(|_| trace));
+        if let Ok(trace) = &checked {
+            self.references.insert(prompt.to_vec(), trace.clone());
+        }
         self.reference_time += started.elapsed();
-        Ok(trace)
+        Some(checked)
+    }
+
+    /// A worker of several ([`share`](Self::share)d): first the references and noise floors of
+    /// `prompts` that no other worker is computing now, so that the workers split them between
+    /// them instead of waiting for each other's. Alone, or when every one is already known:
+    /// nothing.
+    pub fn prefetch(&mut self, prompts: &[Prompt]) {
+        if self.shared.is_none() {
+            return;
+        }
+        for p in prompts {
+            let _ = self.reference_now(&p.ids, false);
+        }
+        for p in prompts {
+            let _ = self.floor_now(&p.name, prompts, false);
+        }
     }
 
     /// The stream that starts with `fixed`: its reference as [`Setup::reference`] computes it
@@ -376,16 +420,24 @@ impl<'r> Setup<'r> {
     /// next to another of `all`), how far apart two correct runs are on this machine. A
     /// measurement aid: when it cannot be taken it is unknown (`None`), not a failure.
     pub fn noise_floor(&mut self, prompt: &str, all: &[Prompt]) -> Option<f32> {
+        self.floor_now(prompt, all, true).flatten()
+    }
+
+    /// [`noise_floor`](Self::noise_floor); `wait` as for [`reference_now`](Self::reference_now).
+    fn floor_now(&mut self, prompt: &str, all: &[Prompt], wait: bool) -> Option<Option<f32>> {
         let base = prompt.split('/').next().unwrap_or(prompt);
         if let Some(f) = self.floors.get(base) {
-            return *f;
+            return Some(*f);
         }
-        let p = all.iter().find(|p| p.name == base)?;
+        let Some(p) = all.iter().find(|p| p.name == base) else { return Some(None) };
         let (started, reference_before) = (Instant::now(), self.reference_time);
-        let floor = self.measure_floor(p, all).ok().flatten();
+        let floor = match self.shared.clone() {
+            Some(shared) => shared.floor(&p.name, &p.ids, wait, || self.measure_floor(p, all).ok().flatten())?,
+            None => self.measure_floor(p, all).ok().flatten(),
+        };
         self.floor_time += started.elapsed().saturating_sub(self.reference_time - reference_before);
         self.floors.insert(base.to_string(), floor);
-        floor
+        Some(floor)
     }
 
     /// Every noise floor measured so far, by base prompt.
