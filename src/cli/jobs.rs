@@ -22,9 +22,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use super::run::{Args, Stream};
 use crate::proc::{Child, Spawn, Stdout, describe_exit};
-use crate::report::Report;
+use crate::report::{Report, Shard};
 use crate::run::RunOptions;
 use crate::vocab::{BuiltinRef, EngineSpec, Suite};
 
@@ -102,9 +101,17 @@ impl Drop for Scratch {
     }
 }
 
-/// Run the suite in `jobs` workers and merge their reports. Each worker's lines (one per
-/// finished cell) are passed on to `human` as they come.
-pub fn run(a: &Args, suite: &Suite, jobs: usize, human: Stream, color: bool) -> Result<Report> {
+/// Run `suite` in `jobs` workers and merge their reports. `args`: a worker's `run` arguments
+/// (the suite and the selection, `--shard` among them as `shard`). Each worker's lines (one per
+/// finished cell) go to `print` as they come.
+pub fn run(
+    suite: &Suite,
+    args: &[String],
+    shard: Option<Shard>,
+    jobs: usize,
+    color: bool,
+    print: &dyn Fn(&str),
+) -> Result<Report> {
     let started = Instant::now();
     let scratch = Scratch::new()?;
     let claims = scratch.0.join(CLAIMS);
@@ -116,7 +123,11 @@ pub fn run(a: &Args, suite: &Suite, jobs: usize, human: Stream, color: bool) -> 
         let json = scratch.0.join(format!("worker-{i}.json"));
         let mut argv =
             vec![exe.display().to_string(), "--color".into(), (if color { "always" } else { "never" }).into()];
-        argv.extend(worker_args(a, &scratch.0, &json));
+        argv.extend(args.iter().cloned());
+        // No snapshots (the parent checks them on the merged rows), its report to `json`, its
+        // cells claimed (and references shared) through the scratch directory.
+        argv.extend(["--no-snapshots".into(), "--jobs".into(), "1".into(), "--worker".into()]);
+        argv.extend([scratch.0.display().to_string(), "--json".into(), json.display().to_string()]);
         let spec = Spawn {
             argv,
             cwd: cwd.clone(),
@@ -139,7 +150,7 @@ pub fn run(a: &Args, suite: &Suite, jobs: usize, human: Stream, color: bool) -> 
             if let Some(rx) = lines {
                 loop {
                     match rx.try_recv() {
-                        Ok(Ok(line)) => human.print(&line),
+                        Ok(Ok(line)) => print(&line),
                         Ok(Err(_)) | Err(std::sync::mpsc::TryRecvError::Disconnected) => {
                             *lines = None;
                             break;
@@ -177,7 +188,7 @@ pub fn run(a: &Args, suite: &Suite, jobs: usize, human: Stream, color: bool) -> 
         reports.push(report);
     }
     let mut merged = crate::report::merge::merge(reports).map_err(anyhow::Error::msg)?;
-    merged.shard = a.common.shard;
+    merged.shard = shard;
     // In the order one process writes them: the suite's checkpoints, each one's scenarios and
     // paths as the suite lists them (a stable sort keeps a cell's rows in their order).
     let checkpoint = |name: &str| suite.checkpoints.iter().position(|c| c.name == name).unwrap_or(usize::MAX);
@@ -210,40 +221,4 @@ fn read_report(json: &Path) -> Result<Report> {
     let text =
         std::fs::read_to_string(json).with_context(|| format!("reading the worker's report {}", json.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{}: not a parity JSON report", json.display()))
-}
-
-/// A worker's `run` arguments: the parent's suite and selection, no snapshots (the parent
-/// checks them on the merged rows), its report to `json`, its cells claimed (and references
-/// shared) through `dir`.
-fn worker_args(a: &Args, dir: &Path, json: &Path) -> Vec<String> {
-    let c = &a.common;
-    let mut v = vec!["run".to_string(), a.suite.display().to_string()];
-    v.extend(["--device".into(), crate::environment::device()]);
-    if let Some(f) = &c.filter {
-        v.extend(["--filter".into(), f.clone()]);
-    }
-    for s in &c.scenarios {
-        v.extend(["--scenario".into(), s.name().into()]);
-    }
-    for b in &c.backends {
-        v.extend(["--backend".into(), b.clone()]);
-    }
-    for ck in &c.checkpoints {
-        v.extend(["--checkpoint".into(), ck.clone()]);
-    }
-    if let Some(s) = c.shard {
-        v.extend(["--shard".into(), format!("{}/{}", s.index, s.count)]);
-    }
-    for f in &c.faults {
-        v.extend(["--fault".into(), f.name().into()]);
-    }
-    if a.require_models {
-        v.push("--require-models".into());
-    }
-    if let Some(r) = &a.reports {
-        v.extend(["--reports".into(), r.display().to_string()]);
-    }
-    v.extend(["--no-snapshots".into(), "--jobs".into(), "1".into()]);
-    v.extend(["--worker".into(), dir.display().to_string(), "--json".into(), json.display().to_string()]);
-    v
 }

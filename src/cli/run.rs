@@ -377,7 +377,7 @@ pub fn run(a: Args) -> Result<ExitCode> {
         }
     };
     let mut report = if jobs > 1 {
-        super::jobs::run(&a, &suite, jobs, human, color)?
+        super::jobs::run(&suite, &worker_args(&a), a.common.shard, jobs, color, &|line| human.print(line))?
     } else {
         run_suite(&suite, &opts, &Bars::new(&suite, color, Some(human)))
     };
@@ -436,6 +436,38 @@ pub fn run(a: Args) -> Result<ExitCode> {
         0
     };
     Ok(ExitCode::from(code))
+}
+
+/// A worker's `run` arguments for `--jobs`: this run's suite and selection.
+fn worker_args(a: &Args) -> Vec<String> {
+    let c = &a.common;
+    let mut v = vec!["run".to_string(), a.suite.display().to_string()];
+    v.extend(["--device".into(), crate::environment::device()]);
+    if let Some(f) = &c.filter {
+        v.extend(["--filter".into(), f.clone()]);
+    }
+    for s in &c.scenarios {
+        v.extend(["--scenario".into(), s.name().into()]);
+    }
+    for b in &c.backends {
+        v.extend(["--backend".into(), b.clone()]);
+    }
+    for ck in &c.checkpoints {
+        v.extend(["--checkpoint".into(), ck.clone()]);
+    }
+    if let Some(s) = c.shard {
+        v.extend(["--shard".into(), format!("{}/{}", s.index, s.count)]);
+    }
+    for f in &c.faults {
+        v.extend(["--fault".into(), f.name().into()]);
+    }
+    if a.require_models {
+        v.push("--require-models".into());
+    }
+    if let Some(r) = &a.reports {
+        v.extend(["--reports".into(), r.display().to_string()]);
+    }
+    v
 }
 
 /// A worker of `--jobs`: the cells it claims, their lines on stdout as they finish, its
