@@ -368,7 +368,7 @@ pub unsafe fn compile_mlx_kernels_for_this_cpu() -> Result<(), String> {
     let io = |what: &str, e: std::io::Error| format!("{what} in {}: {e}", dir.display());
     std::fs::create_dir_all(&bin).map_err(|e| io("bin", e))?;
     std::fs::create_dir_all(&tmp).map_err(|e| io("tmp", e))?;
-    let script = format!("#!/bin/sh\n{JIT_MARK}{JIT_FLAGS}\nexec '{real}' \"$@\" {JIT_FLAGS}\n");
+    let script = wrapper_script(&real);
     let wrapper = bin.join("g++");
     if std::fs::read_to_string(&wrapper).ok().as_deref() != Some(script.as_str()) {
         // Written aside and renamed: a parity starting beside this one never runs half a script.
@@ -385,6 +385,50 @@ pub unsafe fn compile_mlx_kernels_for_this_cpu() -> Result<(), String> {
         std::env::set_var("TMPDIR", tmp);
     }
     Ok(())
+}
+
+/// The `g++` in front of `real`: [`JIT_MARK`] and the flags, then the build.
+///
+/// MLX builds a kernel whenever its library is missing from the cache, writing the source and
+/// running `g++ ... -o LIB`, then loads LIB; processes that miss it together (a run's workers on
+/// a fresh cache, parallel tests) each build it, and one would load a library another was still
+/// writing (`dlopen` of half a file fails the operation). So builds of one library run one at a
+/// time, under a lock beside it; each writes a file of its own, renamed into place whole, and
+/// one that finds the library built skips the build. A failed build is tried once more after a
+/// moment: another process may have been rewriting the same source file (the same text) as it
+/// was read. Where `flock` is missing the build runs as MLX asked.
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+fn wrapper_script(real: &str) -> String {
+    format!(
+        r#"#!/bin/sh
+{JIT_MARK}{JIT_FLAGS}
+out=
+prev=
+for a in "$@"; do
+  [ "$prev" = "-o" ] && out=$a
+  prev=$a
+done
+if [ -z "$out" ] || ! command -v flock >/dev/null 2>&1; then
+  exec '{real}' "$@" {JIT_FLAGS}
+fi
+# MLX's names fill the file system's 255 bytes: the lock and the part get short ones.
+dir=$(dirname "$out")
+key=$(printf %s "$out" | cksum | cut -d' ' -f1)
+part="$dir/.part-$key-$$"
+n=$#
+prev=
+for a in "$@"; do
+  if [ "$prev" = "-o" ]; then set -- "$@" "$part"; else set -- "$@" "$a"; fi
+  prev=$a
+done
+shift "$n"
+exec 9>"$dir/.lock-$key"
+flock 9
+[ -s "$out" ] && exit 0
+'{real}' "$@" {JIT_FLAGS} || {{ sleep 1; '{real}' "$@" {JIT_FLAGS}; }} || {{ rm -f "$part"; exit 1; }}
+mv -f "$part" "$out"
+"#
+    )
 }
 
 /// `g++` and [`JIT_FLAGS`] when the `g++` MLX's CPU JIT runs (the first on
