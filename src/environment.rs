@@ -362,7 +362,7 @@ pub unsafe fn compile_mlx_kernels_for_this_cpu() -> Result<(), String> {
         .unwrap_or_else(std::env::temp_dir);
     // Named after the flags: MLX finds a cached kernel by name alone, so a directory shared with
     // kernels built with other flags would serve those.
-    let tag = JIT_FLAGS.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let tag = crate::names::stable_hash(JIT_FLAGS.as_bytes());
     let dir = base.join("parity").join(format!("mlx-jit-x86-64-v3-{:08x}", tag as u32));
     let (bin, tmp) = (dir.join("bin"), dir.join("tmp"));
     let io = |what: &str, e: std::io::Error| format!("{what} in {}: {e}", dir.display());

@@ -87,6 +87,12 @@ pub fn contained(root: &Path, path: &Path) -> bool {
     }
 }
 
+/// A stable 64-bit name (FNV-1a) for what is too long or too free to be a file name itself
+/// (compiler flags, a prompt's token ids): the same on every machine and build.
+pub fn stable_hash(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,6 +19,7 @@ use mlx_rs::{Array, Dtype};
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
+use crate::names::stable_hash;
 use crate::vocab::Trace;
 
 /// One checkpoint's shared references and floors, in a directory the workers hold.
@@ -39,11 +40,10 @@ struct Header {
 }
 
 impl Shared {
-    /// The shared store of `checkpoint` under `root` (the run's worker directory).
+    /// The shared store of `checkpoint` under `root` (the run's worker directory). The suite
+    /// checked the name is one plain path component.
     pub fn new(root: &Path, checkpoint: &str) -> Self {
-        let name: String =
-            checkpoint.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
-        Shared { dir: root.join("references").join(format!("{name}-{:016x}", fnv(checkpoint.as_bytes()))) }
+        Shared { dir: root.join("references").join(checkpoint) }
     }
 
     /// The reference of `ids` decoded `steps` tokens: read when a worker has stored it, else
@@ -56,7 +56,7 @@ impl Shared {
         wait: bool,
         compute: impl FnOnce() -> Result<Trace>,
     ) -> Option<Result<Trace>> {
-        let key = format!("ref-{}-{steps}-{:016x}", ids.len(), fnv(&le_bytes(ids)));
+        let key = format!("ref-{}-{steps}-{:016x}", ids.len(), stable_hash(&le_bytes(ids)));
         let _lock = match self.lock(&key, wait) {
             Lock::Held(f) => f,
             Lock::Busy => return None,
@@ -84,7 +84,7 @@ impl Shared {
     ) -> Option<Option<f32>> {
         let mut keyed = prompt.as_bytes().to_vec();
         keyed.extend(le_bytes(ids));
-        let key = format!("floor-{:016x}", fnv(&keyed));
+        let key = format!("floor-{:016x}", stable_hash(&keyed));
         let _lock = match self.lock(&key, wait) {
             Lock::Held(f) => f,
             Lock::Busy => return None,
@@ -141,10 +141,6 @@ enum Lock {
 
 fn le_bytes(ids: &[u32]) -> Vec<u8> {
     ids.iter().flat_map(|i| i.to_le_bytes()).collect()
-}
-
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }
 
 fn dtype_name(d: Dtype) -> Option<&'static str> {
