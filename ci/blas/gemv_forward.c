@@ -442,6 +442,80 @@ static int twin_wide(void) {
     return cpu.twin_wide;
 }
 
+/* Attention over a paged cache's rows where they lie (src/model/attention/in_place.rs). MLX's
+ * CPU attention over a paged cache needs the rows of every sequence gathered into one copy a
+ * layer (K and V, every step), and at batch 32 that copy was a quarter of a decode step. These
+ * two products read the rows from the cache's store instead, key j of a sequence at
+ * base + rows[j] * ldb, and compute what the tiny kernels above compute over the copy: every
+ * output element one fused multiply-add chain over k in order from zero. So the result is the
+ * copy's product to the bit, and only where parity_rows_chains() says the copy's products would
+ * run here (alpha 1, beta 0, at most TinyRows rows, under MinForwardElements: the caller
+ * checks the sizes). */
+int parity_rows_chains(void) { return parity_gemv_forward() && tiny_kernels(); }
+
+/* C (m x n) = A (m x k) B^T, B's row j at base + rows[j] * ldb: tiny_nt over each run of
+ * consecutive rows (a block of the cache is one). A row read again as the first (a short
+ * sequence's padding) is the first column again: the same chain over the same numbers. */
+void parity_rows_scores(int m, int k, const float *a, int lda, const float *base, int ldb, const int *rows, int n,
+                        float *c, int ldc) {
+    for (int j = 0; j < n;) {
+        if (j > 0 && rows[j] == rows[0]) {
+            for (int i = 0; i < m; i++) c[(long)i * ldc + j] = c[(long)i * ldc];
+            j++;
+            continue;
+        }
+        int e = j + 1;
+        while (e < n && rows[e] == rows[e - 1] + 1) e++;
+        tiny_nt(m, k, a, lda, base + (long)rows[j] * ldb, ldb, c + j, ldc, e - j);
+        j = e;
+    }
+}
+
+/* Rows [i0, i0 + R) by columns [j, j + RowsCols) of C = A B over B's rows rows[0..k): the sums
+ * in registers over all of k (GCC unrolls the constant loops and keeps acc out of memory). */
+enum { RowsCols = 64 };
+#define ROWS_BLOCK(R)                                                                                                \
+    do {                                                                                                              \
+        float acc[R][RowsCols];                                                                                       \
+        for (int i = 0; i < (R); i++)                                                                                 \
+            for (int x = 0; x < RowsCols; x++) acc[i][x] = 0.0f;                                                      \
+        for (int q = 0; q < k; q++) {                                                                                 \
+            const float *bq = base + (long)rows[q] * ldb + j;                                                         \
+            for (int i = 0; i < (R); i++) {                                                                           \
+                float p = a[(long)(i0 + i) * lda + q];                                                                \
+                for (int x = 0; x < RowsCols; x++) acc[i][x] = __builtin_fmaf(p, bq[x], acc[i][x]);                 \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (int i = 0; i < (R); i++)                                                                                 \
+            for (int x = 0; x < RowsCols; x++) c[(long)(i0 + i) * ldc + j + x] = acc[i][x];                         \
+    } while (0)
+
+/* C (m x n) = A (m x k) B, B's row q at base + rows[q] * ldb: each element one chain over q in
+ * order from zero, as the panels sum (an FMA is exact before its one rounding, so the vector
+ * width the compiler picks moves no bit). Rows in blocks of up to four by 64 columns; columns
+ * past the last whole 64 one chain at a time. */
+__attribute__((target_clones("avx512f", "avx2", "default"))) void parity_rows_values(
+    int m, int k, const float *a, int lda, const float *base, int ldb, const int *rows, int n, float *c, int ldc) {
+    int jv = n / RowsCols * RowsCols;
+    for (int j = 0; j < jv; j += RowsCols)
+        for (int i0 = 0; i0 < m;) {
+            int r = m - i0 < 4 ? m - i0 : 4;
+            switch (r) {
+            case 1: ROWS_BLOCK(1); break;
+            case 2: ROWS_BLOCK(2); break;
+            case 3: ROWS_BLOCK(3); break;
+            default: ROWS_BLOCK(4); break;
+            }
+            i0 += r;
+        }
+    for (int i = 0; i < m; i++)
+        for (int j = jv; j < n; j++) {
+            float s = 0.0f;
+            for (int q = 0; q < k; q++) s = __builtin_fmaf(a[(long)i * lda + q], base[(long)rows[q] * ldb + j], s);
+            c[(long)i * ldc + j] = s;
+        }
+}
+
 /* Products of 1 to MaxFewRows rows by a matrix stored [k][n] (parity's [in, out] weights) are
  * split along K, not the columns: K is cut into KChunks runs of whole rows (multiples of 16,
  * fixed by k alone), each summed from zero in k's order into a partial output, and the

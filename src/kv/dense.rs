@@ -161,7 +161,7 @@ impl KvCache for DenseCache {
     fn read(&self, layer: usize, seq: SeqId) -> Result<BatchKv> {
         let (base, len) = self.base(seq)?;
         let (keys, values) = self.store.span(layer, base, len)?;
-        Ok(BatchKv { keys, values, visible: vec![len], first: vec![0] })
+        Ok(BatchKv { keys, values, visible: vec![len], first: vec![0], rows: None })
     }
 
     fn write_batch(&mut self, layer: usize, seqs: &[SeqId], starts: &[usize], k: &Array, v: &Array) -> Result<()> {
@@ -208,7 +208,7 @@ impl KvCache for DenseCache {
             self.store.gather(layer, &index, b, w)?
         };
         let first = vec![0; visible.len()];
-        Ok(BatchKv { keys, values, visible, first })
+        Ok(BatchKv { keys, values, visible, first, rows: None })
     }
 
     fn trim(&mut self, seq: SeqId, n: usize) -> Result<usize> {

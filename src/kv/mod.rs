@@ -11,6 +11,7 @@ pub mod paged;
 pub(crate) mod store;
 
 use std::collections::BTreeMap;
+use std::rc::Rc;
 
 use mlx_rs::Array;
 use serde::{Deserialize, Serialize};
@@ -277,6 +278,18 @@ pub struct BatchKv {
     /// blocks older than its window were released. Column c of row b is position
     /// `first[b] + c`; masks compare positions, never columns.
     pub first: Vec<usize>,
+    /// Where a paged read's rows lie, for attention that reads them there (`keys` and `values`
+    /// are then a gather nothing needs to run); `None` for a view or a dense read.
+    pub rows: Option<StoreRows>,
+}
+
+/// The rows of a batched read where they lie: the layer's stores, K and V each `[kv_heads,
+/// rows, head_dim]`, and the store row of every column, `[B * W]` row-major (padding repeats a
+/// sequence's first row, as the gather pads).
+pub struct StoreRows {
+    pub keys: Array,
+    pub values: Array,
+    pub rows: Rc<Vec<i32>>,
 }
 
 /// Shape check for [`KvCache::write_batch`]: K/V `[B, H, T, D]` with one start per sequence.

@@ -61,7 +61,8 @@ impl RowStore {
         Ok(mlx_rs::ops::full::<f32>(&shape, &Array::from_f32(value))?.as_dtype(self.shape.dtype.mlx())?)
     }
 
-    fn layer(&self, layer: usize) -> Result<&(Array, Array)> {
+    /// One layer's K and V, `[kv_heads, rows, head_dim]` each.
+    pub(crate) fn layer(&self, layer: usize) -> Result<&(Array, Array)> {
         self.layers.get(layer).ok_or_else(|| Error::Kv(format!("layer {layer} has no storage")))
     }
 

@@ -141,6 +141,11 @@ impl Taps {
     }
 }
 
+/// Whether the pass's taps time it (each evaluates its array at once).
+pub(crate) fn timed(taps: Option<&Taps>) -> bool {
+    taps.is_some_and(|t| t.timer.is_some())
+}
+
 /// Tap `a` when the pass is traced.
 pub(crate) fn tap(taps: Option<&Taps>, layer: Option<usize>, op: &str, a: &Array) {
     if let Some(t) = taps {

@@ -28,7 +28,8 @@ use serde::Serialize;
 
 use super::store::{Memo, RowStore};
 use super::{
-    Backend, BatchKv, Counters, KvCache, KvShape, KvStats, SeqId, SeqMap, ShareMode, check_batch_shape, check_kv_shape,
+    Backend, BatchKv, Counters, KvCache, KvShape, KvStats, SeqId, SeqMap, ShareMode, StoreRows, check_batch_shape,
+    check_kv_shape,
 };
 use crate::error::{Error, Result};
 use crate::faults::{Fault, Faults};
@@ -97,7 +98,8 @@ struct PagedSeq {
 #[derive(Clone)]
 enum Plan {
     Span(usize, usize),
-    Gather(Array),
+    /// The gather's index, and the store row of every column (for reads where they lie).
+    Gather(Array, Rc<Vec<i32>>),
 }
 
 /// The layers that share block tables: every global layer, or every layer of one window.
@@ -497,7 +499,7 @@ impl PagedBlockPool {
             Ok(if rows.len() == 1 && contiguous {
                 Plan::Span(flat[0] as usize, flat.len())
             } else {
-                Plan::Gather(group.store.head_major(flat))
+                Plan::Gather(group.store.head_major(flat), Rc::new(flat.clone()))
             })
         })?;
         Ok((plan, w))
@@ -509,11 +511,15 @@ impl PagedBlockPool {
         let (rows, first): (Vec<Vec<i32>>, Vec<usize>) = read.into_iter().unzip();
         let store = &self.groups[g].store;
         let (plan, w) = self.plan(g, &rows)?;
-        let (keys, values) = match &*plan {
-            Plan::Span(start, n) => store.span(local, *start, *n)?,
-            Plan::Gather(index) => store.gather(local, index, rows.len(), w)?,
+        let ((keys, values), rows_at) = match &*plan {
+            Plan::Span(start, n) => (store.span(local, *start, *n)?, None),
+            Plan::Gather(index, flat) => {
+                let (k, v) = store.layer(local)?;
+                let at = StoreRows { keys: k.clone(), values: v.clone(), rows: Rc::clone(flat) };
+                (store.gather(local, index, rows.len(), w)?, Some(at))
+            }
         };
-        Ok(BatchKv { keys, values, visible: rows.iter().map(Vec::len).collect(), first })
+        Ok(BatchKv { keys, values, visible: rows.iter().map(Vec::len).collect(), first, rows: rows_at })
     }
 
     /// The rows `starts[b]..starts[b] + t` of each sequence will be written to in group `g`,

@@ -102,17 +102,29 @@ pub fn attend(
     // place (MLX donates a buffer only when nothing else holds it).
     kv.write_batch(layer, &ctx.seqs, &ctx.starts, &k, &v)?;
     let read = kv.read_batch(layer, &ctx.seqs)?;
-    crate::model::tap(ctx.taps, Some(layer), "kv_read", &read.keys);
+    let w = read.keys.shape()[2];
+    let in_place = read.rows.as_ref().filter(|at| super::in_place::applies(&q, at, w));
+    // A timed tap evaluates what it is given: the gathered keys would run the copy that
+    // attention in place does without, so it times the cache's write instead.
+    match in_place {
+        Some(at) if crate::model::timed(ctx.taps) => crate::model::tap(ctx.taps, Some(layer), "kv_read", &at.keys),
+        _ => crate::model::tap(ctx.taps, Some(layer), "kv_read", &read.keys),
+    }
     let memo = if view.window.is_some() { &step.local_mask } else { &step.mask };
     let mask = memo.get_or_try((read.visible, read.first), |(visible, first)| {
         Ok(mask(visible, first, &ctx.masked, step.tokens, view.window, ctx.faults))
     })?;
-    let mask = match &*mask {
+    let mask = || match &*mask {
         Mask::None => None,
         Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
         Mask::Array(m) => Some(ScaledDotProductAttentionMask::Array(m)),
     };
-    super::attend_keys(&q, &read.keys, &read.values, scale, mask)
+    if let Some(at) = in_place
+        && let Some(out) = super::in_place::attend(&q, at, w, scale, mask())?
+    {
+        return Ok(out);
+    }
+    super::attend_keys(&q, &read.keys, &read.values, scale, mask())
 }
 
 /// The mask for rows whose keys are `visible[b]` long (each row's last `t` are this step's

@@ -11,6 +11,7 @@
 //! Projections run batched over all rows in both modes.
 
 mod batched;
+mod in_place;
 mod rowwise;
 
 use mlx_rs::error::Exception;
@@ -242,7 +243,23 @@ pub(super) fn attend_keys(
         k = k.expand_dims(2)?;
         v = v.expand_dims(2)?;
     }
-    let mut scores = q.matmul(k.swap_axes(-1, -2)?)?;
+    let scores = q.matmul(k.swap_axes(-1, -2)?)?;
+    let weights = weights(scores, mask, kv_heads, repeats, t, l)?;
+    let out = weights.matmul(&v)?;
+    Ok(if repeats > 1 { out.reshape(&[b, h, t, d])? } else { out })
+}
+
+/// The softmax of `scores` (`[B, kv_heads, repeats, T, L]` where heads share keys, else `[B,
+/// H, T, L]`) with `mask`'s hidden columns at the float's minimum, fused, as MLX's fallback
+/// masks and [`softmax`] computes.
+fn weights(
+    mut scores: Array,
+    mask: Option<ScaledDotProductAttentionMask<'_>>,
+    kv_heads: i32,
+    repeats: i32,
+    t: i32,
+    l: i32,
+) -> Result<Array> {
     let mask = match mask {
         None => None,
         // Query j sits at key column j + l - t.
@@ -265,9 +282,7 @@ pub(super) fn attend_keys(
     if let Some(m) = mask {
         scores = mlx_rs::ops::select(&m, &scores, mlx_rs::array!(f32::MIN))?;
     }
-    let weights = SOFTMAX.with(|f| f.call(&[scores]))?;
-    let out = weights.matmul(&v)?;
-    Ok(if repeats > 1 { out.reshape(&[b, h, t, d])? } else { out })
+    SOFTMAX.with(|f| f.call(&[scores]))
 }
 
 thread_local! {

@@ -1,0 +1,258 @@
+//! Attention over a paged cache's rows where they lie, on the CPU.
+//!
+//! MLX's CPU backend has no paged attention: a batched read of a paged cache gathers every
+//! sequence's rows into one `[B, kv_heads, W, D]` copy a layer, K and V, every step, and
+//! attention multiplies the copy. At batch 32 that copy was a quarter of a SmolLM2 decode step
+//! (dense attention reads its slots as views), all of paged's distance from dense.
+//!
+//! ci/blas/gemv_forward.c, the BLAS in front of OpenBLAS, runs attention's products over the
+//! copy (a few query rows by an operand under 64 Ki elements) with every output element one
+//! fused multiply-add chain over k in order from zero. Its `parity_rows_scores` and
+//! `parity_rows_values` compute the same chains reading each key and value row from the
+//! store, so this path's output is the copy's to the bit
+//! (`tests::in_place_attention_is_the_gathered_copy_s_bit_for_bit`). It runs only where that
+//! holds: float32 keys, queries and scores on the CPU with the shim's chains, scores the size
+//! [`super::attend_keys`] fuses the softmax at, at most `TINY_ROWS` query rows, an operand under
+//! `CHAIN_ELEMENTS`. Anywhere else the gathered copy is attended as before.
+//!
+//! The mask and the softmax stay MLX's (the same fused graph as over the copy). The price is
+//! that the step waits for the queries and the softmax on the host: two synchronisations a
+//! layer, which cost less than the copy only where the copy is large.
+
+use std::ffi::CStr;
+use std::sync::OnceLock;
+
+use mlx_rs::fast::ScaledDotProductAttentionMask;
+use mlx_rs::{Array, Dtype};
+
+use crate::error::Result;
+use crate::kv::StoreRows;
+
+/// The shim's `TinyRows`: products of more query rows go to OpenBLAS, whose sums are not chains.
+const TINY_ROWS: i32 = 8;
+/// The shim's `MinForwardElements`: a larger operand goes to OpenBLAS.
+const CHAIN_ELEMENTS: i64 = 65536;
+
+type ChainsFn = unsafe extern "C" fn() -> i32;
+type RowsFn = unsafe extern "C" fn(i32, i32, *const f32, i32, *const f32, i32, *const i32, i32, *mut f32, i32);
+
+struct Shim {
+    scores: RowsFn,
+    values: RowsFn,
+}
+
+/// The shim's products over rows, where it is loaded and runs its chains on this CPU.
+fn shim() -> Option<&'static Shim> {
+    static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
+    SHIM.get_or_init(|| {
+        let symbol = |name: &CStr| {
+            // SAFETY: dlsym with RTLD_DEFAULT only looks a name up in the loaded objects.
+            let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+            (!f.is_null()).then_some(f)
+        };
+        let (chains, scores, values) =
+            (symbol(c"parity_rows_chains")?, symbol(c"parity_rows_scores")?, symbol(c"parity_rows_values")?);
+        // SAFETY: ci/blas/gemv_forward.c defines these functions with these signatures.
+        unsafe {
+            let chains = std::mem::transmute::<*mut libc::c_void, ChainsFn>(chains);
+            (chains() != 0).then(|| Shim {
+                scores: std::mem::transmute::<*mut libc::c_void, RowsFn>(scores),
+                values: std::mem::transmute::<*mut libc::c_void, RowsFn>(values),
+            })
+        }
+    })
+    .as_ref()
+}
+
+/// Whether [`attend`] runs for `q` (`[B, H, T, D]`) over the rows `at` names, `l` a sequence
+/// (see the module docs).
+pub(super) fn applies(q: &Array, at: &StoreRows, l: i32) -> bool {
+    let (&[b, h, t, d], &[kv_heads, total, _]) = (q.shape(), at.keys.shape()) else {
+        return false;
+    };
+    shim().is_some()
+        && q.dtype() == Dtype::Float32
+        && at.keys.dtype() == Dtype::Float32
+        && at.values.dtype() == Dtype::Float32
+        && at.keys.shape() == [kv_heads, total, d]
+        && at.values.shape() == at.keys.shape()
+        && b * h * t * l >= super::FUSED_SOFTMAX_MIN
+        && t <= TINY_ROWS
+        && i64::from(l) * i64::from(d) < CHAIN_ELEMENTS
+        && at.rows.len() == (b * l) as usize
+        && at.rows.iter().all(|&r| (0..total).contains(&r))
+        && crate::environment::device() == "cpu"
+}
+
+/// What [`super::attend_keys`] returns for `q` (`[B, H, T, D]`) over the rows `at` names (`l`
+/// a sequence), computed where the rows lie; `None` where this path does not give the same
+/// bits (see the module docs), and the caller attends the gathered copy.
+pub(super) fn attend(
+    q: &Array,
+    at: &StoreRows,
+    l: i32,
+    scale: f32,
+    mask: Option<ScaledDotProductAttentionMask<'_>>,
+) -> Result<Option<Array>> {
+    let (&[b, h, t, d], &[kv_heads, total, _]) = (q.shape(), at.keys.shape()) else {
+        return Ok(None);
+    };
+    let Some(shim) = shim().filter(|_| applies(q, at, l)) else { return Ok(None) };
+    let repeats = h / kv_heads;
+    let q = mlx_rs::array!(scale).multiply(q)?;
+    mlx_rs::transforms::eval([&q, &at.keys, &at.values])?;
+    let (Ok(qh), Ok(kh), Ok(vh)) =
+        (q.try_as_slice::<f32>(), at.keys.try_as_slice::<f32>(), at.values.try_as_slice::<f32>())
+    else {
+        return Ok(None);
+    };
+    // A (batch row, kv head)'s queries are `repeats * t` rows in a row of `q`, each a chain
+    // against every key of that head.
+    let (rows_per, per_head) = ((repeats * t) as usize, (total * d) as usize);
+    let (l_, d_) = (l as usize, d as usize);
+    let mut scores = vec![0f32; (b * h * t * l) as usize];
+    for bi in 0..b as usize {
+        let seq = &at.rows[bi * l_..(bi + 1) * l_];
+        for hk in 0..kv_heads as usize {
+            let first = (bi * kv_heads as usize + hk) * rows_per;
+            // SAFETY: `first` names `rows_per` query rows of `d` inside `qh` and score rows of
+            // `l` inside `scores`; every row index is checked to be under `total`, the rows of
+            // head `hk`'s store.
+            unsafe {
+                (shim.scores)(
+                    rows_per as i32,
+                    d,
+                    qh[first * d_..].as_ptr(),
+                    d,
+                    kh[hk * per_head..].as_ptr(),
+                    d,
+                    seq.as_ptr(),
+                    l,
+                    scores[first * l_..].as_mut_ptr(),
+                    l,
+                );
+            }
+        }
+    }
+    let shape: &[i32] = if repeats > 1 { &[b, kv_heads, repeats, t, l] } else { &[b, h, t, l] };
+    let weights = super::weights(Array::from_slice(&scores, shape), mask, kv_heads, repeats, t, l)?;
+    let Ok(p) = weights.try_as_slice::<f32>() else { return Ok(None) };
+    let mut out = vec![0f32; (b * h * t * d) as usize];
+    for bi in 0..b as usize {
+        let seq = &at.rows[bi * l_..(bi + 1) * l_];
+        for hk in 0..kv_heads as usize {
+            let first = (bi * kv_heads as usize + hk) * rows_per;
+            // SAFETY: as for the scores: `rows_per` weight rows of `l`, output rows of `d`,
+            // value rows checked under `total`.
+            unsafe {
+                (shim.values)(
+                    rows_per as i32,
+                    l,
+                    p[first * l_..].as_ptr(),
+                    l,
+                    vh[hk * per_head..].as_ptr(),
+                    d,
+                    seq.as_ptr(),
+                    d,
+                    out[first * d_..].as_mut_ptr(),
+                    d,
+                );
+            }
+        }
+    }
+    Ok(Some(Array::from_slice(&out, &[b, h, t, d])))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::rc::Rc;
+
+    use super::*;
+
+    /// Attention in place must be the gathered copy's to the bit: a chain summed in another
+    /// order, a padding column read from another row, or a head's store read at another's
+    /// offset would move every paged row's logits away from dense's. Ragged rows with padding,
+    /// blocks out of order, rows no sequence reads poisoned with NaN (they must stay unread),
+    /// grouped and plain heads, head sizes under, at and past the shim's 64-column blocks, one
+    /// query row and several, each mask kind.
+    #[test]
+    fn in_place_attention_is_the_gathered_copy_s_bit_for_bit() {
+        crate::environment::use_device(crate::environment::DeviceChoice::Cpu).expect("the CPU is always there");
+        if shim().is_none() {
+            eprintln!("no BLAS shim with its chains is loaded: nothing runs in place here");
+            return;
+        }
+        let cases = [
+            (4, 9, 3, 1, 64, &[37, 128, 5, 100][..]),
+            (3, 9, 3, 1, 64, &[160, 160, 160][..]),
+            (2, 4, 4, 3, 32, &[200, 57][..]),
+            (2, 4, 4, 3, 32, &[180, 180][..]),
+            (2, 8, 2, 1, 80, &[260, 255][..]),
+        ];
+        for (b, h, kv_heads, t, d, lens) in cases {
+            let what = format!("{b}x{h}/{kv_heads} heads, {t} queries, head size {d}, lengths {lens:?}");
+            let l = *lens.iter().max().expect("rows") as i32;
+            let (bs, total) = (4usize, 2048usize);
+            // Block j of row r is 7 (131 r + j) mod 512: out of order, and no two rows share one.
+            let mut rows = Vec::new();
+            let mut read = vec![false; total];
+            for (r, &len) in lens.iter().enumerate() {
+                let own: Vec<i32> =
+                    (0..len).map(|p| ((7 * (r * 131 + p / bs)) % (total / bs) * bs + p % bs) as i32).collect();
+                for &x in &own {
+                    read[x as usize] = true;
+                }
+                rows.extend_from_slice(&own);
+                rows.extend(std::iter::repeat_n(own[0], l as usize - len));
+            }
+            let normal = |shape: &[i32]| mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
+            let poisoned = |a: Array| {
+                let mut host = a.as_slice::<f32>().to_vec();
+                for (x, v) in host.iter_mut().enumerate() {
+                    if !read[x / d as usize % total] {
+                        *v = f32::NAN;
+                    }
+                }
+                Array::from_slice(&host, a.shape())
+            };
+            let keys = poisoned(normal(&[kv_heads, total as i32, d]));
+            let values = poisoned(normal(&[kv_heads, total as i32, d]));
+            let q = normal(&[b, h, t, d]).multiply(mlx_rs::array!(3.0)).unwrap();
+            let index: Vec<i32> =
+                (0..kv_heads).flat_map(|hk| rows.iter().map(move |&r| hk * total as i32 + r)).collect();
+            let index = Array::from_slice(&index, &[index.len() as i32]);
+            let gathered = |s: &Array| {
+                s.reshape(&[kv_heads * total as i32, d])
+                    .and_then(|s| s.take_axis(&index, 0))
+                    .and_then(|s| s.reshape(&[kv_heads, b, l, d]))
+                    .and_then(|s| s.transpose_axes(&[1, 0, 2, 3]))
+                    .unwrap()
+            };
+            let (kg, vg) = (gathered(&keys), gathered(&values));
+            // Query j of row r sits at position len - t + j and sees the positions up to it.
+            let visible: Vec<bool> = lens
+                .iter()
+                .flat_map(|&len| {
+                    (0..t as usize)
+                        .flat_map(move |j| (0..l as usize).map(move |c| c < len && c + t as usize <= len + j))
+                })
+                .collect();
+            let rows_mask = Array::from_slice(&visible, &[b, 1, t, l]);
+            let uniform = lens.iter().all(|&n| n == l as usize);
+            let mask = || match (uniform, t) {
+                (true, 1) => None,
+                (true, _) => Some(ScaledDotProductAttentionMask::Causal),
+                (false, _) => Some(ScaledDotProductAttentionMask::Array(&rows_mask)),
+            };
+            let at = StoreRows { keys, values, rows: Rc::new(rows) };
+            assert!(applies(&q, &at, l), "{what}: the case runs in place");
+            let copy = super::super::attend_keys(&q, &kg, &vg, 0.125, mask()).unwrap();
+            let ours = attend(&q, &at, l, 0.125, mask()).unwrap().expect("in place");
+            assert_eq!(ours.shape(), copy.shape(), "{what}");
+            let (ours, copy) = (ours.as_slice::<f32>(), copy.as_slice::<f32>());
+            assert!(copy.iter().all(|x| x.is_finite()), "{what}: the copy read a poisoned row");
+            let differ = ours.iter().zip(copy).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert_eq!(differ, 0, "{what}: {differ} of {} values differ", copy.len());
+        }
+    }
+}
