@@ -44,3 +44,44 @@ fn padded_batch2_and_concurrent_match_the_dense_reference() {
         .expect("padded tile row for the 37-token prompt");
     assert!(tile.notes.iter().any(|n| n == "padded 37 -> 64, trimmed 27"), "{:?}", tile.notes);
 }
+
+/// A batched decode step of ragged rows on the paged pool gives dense's logits to the bit. At
+/// 6 rows of up to 110 keys SmolLM2's attention is past the size where, on the CPU with the
+/// BLAS shim, paged attention reads the pool's rows in place instead of a gathered copy
+/// (model/attention/in_place.rs): a wrong row, a head read at another's offset or a sum in
+/// another order there would move these logits; a gather that drifted would too.
+#[test]
+fn ragged_batched_decode_on_the_pool_is_dense_s_to_the_bit() {
+    use parity::faults::Faults;
+    use parity::kv::{DenseCache, KvCache, PagedBlockPool, PoolOptions};
+    use parity::model::RowStep;
+    // Dequantized at load, as the CPU suite runs it (MLX's quantized matmul is single-threaded).
+    let dir = common::smollm2();
+    let config = parity::checkpoint::ModelConfig::load(&dir).unwrap();
+    let model = parity::model::Model::load(&dir, config, Some(parity::dtype::DtypeName::Float32), true).unwrap();
+    let lens = [110usize, 97, 64, 100, 41, 77];
+    let decode = |kv: &mut dyn KvCache| -> Vec<Vec<f32>> {
+        let seqs: Vec<_> = lens.iter().map(|_| kv.create(0).unwrap()).collect();
+        let mut out = Vec::new();
+        for (i, (&seq, &n)) in seqs.iter().zip(&lens).enumerate() {
+            let prompt: Vec<u32> = (0..n as u32).map(|p| 200 + (p * 37 + i as u32 * 11) % 5000).collect();
+            model.forward(kv, &[RowStep::new(seq, prompt)]).unwrap();
+        }
+        for step in 0..3u32 {
+            let rows: Vec<RowStep> =
+                seqs.iter().enumerate().map(|(i, &s)| RowStep::new(s, vec![300 + step * 7 + i as u32])).collect();
+            let logits = model.forward(kv, &rows).unwrap();
+            out.push(logits.as_slice::<f32>().to_vec());
+        }
+        out
+    };
+    let dense = decode(&mut DenseCache::new(model.kv_shape()));
+    // Blocks of 16 with poison: every row's table spans blocks, unwritten rows are NaN.
+    let opts = PoolOptions { block_size: 16, poison: true, ..PoolOptions::default() };
+    let paged = decode(&mut PagedBlockPool::new(model.kv_shape(), opts, Faults::NONE).unwrap());
+    for (step, (d, p)) in dense.iter().zip(&paged).enumerate() {
+        assert!(d.iter().all(|x| x.is_finite()), "step {step}: dense logits finite");
+        let differ = d.iter().zip(p).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        assert_eq!(differ, 0, "step {step}: {differ} of {} logits differ", d.len());
+    }
+}
