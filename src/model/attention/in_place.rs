@@ -11,13 +11,15 @@
 //! `parity_rows_values` compute the same chains reading each key and value row from the
 //! store, so this path's output is the copy's to the bit
 //! (`tests::in_place_attention_is_the_gathered_copy_s_bit_for_bit`). It runs only where that
-//! holds: float32 keys, queries and scores on the CPU with the shim's chains, scores the size
-//! [`super::attend_keys`] fuses the softmax at, at most `TINY_ROWS` query rows, an operand under
-//! `CHAIN_ELEMENTS`. Anywhere else the gathered copy is attended as before.
+//! holds: float32 keys and queries on the CPU with the shim's chains, at most `TINY_ROWS` query
+//! rows, an operand under `CHAIN_ELEMENTS`. Anywhere else the gathered copy is attended as
+//! before.
 //!
-//! The mask and the softmax stay MLX's (the same fused graph as over the copy). The price is
-//! that the step waits for the queries and the softmax on the host: two synchronisations a
-//! layer, which cost less than the copy only where the copy is large.
+//! The mask is MLX's and the softmax [`super::attend_keys`]'s fused one, which is MLX's to the
+//! bit at any size (the test holds this path to MLX's own attention under the size
+//! `attend_keys` fuses at, too). The price is that the step waits for the queries and the
+//! softmax on the host, two synchronisations a layer; at SmolLM2's sizes they cost less than
+//! the copy from batch 2 on.
 
 use std::ffi::CStr;
 use std::sync::OnceLock;
@@ -76,7 +78,6 @@ pub(super) fn applies(q: &Array, at: &StoreRows, l: i32) -> bool {
         && at.values.dtype() == Dtype::Float32
         && at.keys.shape() == [kv_heads, total, d]
         && at.values.shape() == at.keys.shape()
-        && b * h * t * l >= super::FUSED_SOFTMAX_MIN
         && t <= TINY_ROWS
         && i64::from(l) * i64::from(d) < CHAIN_ELEMENTS
         && at.rows.len() == (b * l) as usize
@@ -188,6 +189,10 @@ mod tests {
             (2, 4, 4, 3, 32, &[200, 57][..]),
             (2, 4, 4, 3, 32, &[180, 180][..]),
             (2, 8, 2, 1, 80, &[260, 255][..]),
+            // Under the size the copy's softmax is fused at: MLX's own attention over the copy.
+            (2, 9, 3, 1, 64, &[150, 190][..]),
+            (1, 9, 3, 1, 64, &[100][..]),
+            (1, 4, 4, 2, 64, &[20][..]),
         ];
         for (b, h, kv_heads, t, d, lens) in cases {
             let what = format!("{b}x{h}/{kv_heads} heads, {t} queries, head size {d}, lengths {lens:?}");
