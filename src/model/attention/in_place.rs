@@ -69,7 +69,7 @@ fn shim() -> Option<&'static Shim> {
 /// Whether [`attend`] runs for `q` (`[B, H, T, D]`) over the rows `at` names, `l` a sequence
 /// (see the module docs).
 pub(super) fn applies(q: &Array, at: &StoreRows, l: i32) -> bool {
-    let (&[b, h, t, d], &[kv_heads, total, _]) = (q.shape(), at.keys.shape()) else {
+    let (&[b, _, t, d], &[kv_heads, total, _]) = (q.shape(), at.keys.shape()) else {
         return false;
     };
     shim().is_some()
