@@ -137,6 +137,10 @@ pub(super) fn attend(
     }
     let shape: &[i32] = if repeats > 1 { &[b, kv_heads, repeats, t, l] } else { &[b, h, t, l] };
     let weights = super::weights(Array::from_slice(&scores, shape), mask, kv_heads, repeats, t, l)?;
+    // A mask of another shape would have broadcast the weights past the rows read below.
+    if weights.shape() != shape {
+        return Ok(None);
+    }
     let Ok(p) = weights.try_as_slice::<f32>() else { return Ok(None) };
     let mut out = vec![0f32; (b * h * t * d) as usize];
     for bi in 0..b as usize {
