@@ -17,7 +17,9 @@
  * matrix (see record_next). A matrix dequantized from a few bits can have its packed form
  * registered as its twin, and products of up to TwinMaxRows rows by it then read the twin (see
  * Packed twins). Products of 13 to 64 rows (a prefill of a short prompt) by [in, out] weights
- * run in FMA panels that copy nothing (see MaxPanelRows).
+ * run in FMA panels that copy nothing (see MaxPanelRows). Attention's two products also have
+ * entry points of their own that read a paged cache's rows where they lie (parity_rows_scores,
+ * parity_rows_values), with the chains the products over a gathered copy run here.
  * Every other call, and every other BLAS symbol, is OpenBLAS's.
  *
  * Built by ci/blas.sh, which points the mlx-cpu wheel's libblas at it (parity's MLX and
