@@ -217,11 +217,7 @@ pub fn environment() -> Environment {
 /// 207) and runs its generic `Prescott` kernel on them, 2-3x slower than `SkylakeX`; a bench
 /// or a suite time means little without it.
 pub fn blas() -> Option<String> {
-    let symbol = |name: &std::ffi::CStr| {
-        // SAFETY: dlsym with RTLD_DEFAULT only looks a name up in the loaded objects.
-        let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
-        (!f.is_null()).then_some(f)
-    };
+    let symbol = loaded_symbol;
     let call = |f: *mut libc::c_void| -> Option<String> {
         // SAFETY: both OpenBLAS functions and the shim's label take no argument and return a
         // static C string.
@@ -248,17 +244,21 @@ pub fn blas() -> Option<String> {
     Some(blas)
 }
 
+/// The address of `name` in the objects the process has loaded (the BLAS shim's entry points,
+/// OpenBLAS's), or `None` where none defines it.
+pub(crate) fn loaded_symbol(name: &std::ffi::CStr) -> Option<*mut libc::c_void> {
+    // SAFETY: dlsym with RTLD_DEFAULT only looks a name up in the loaded objects.
+    let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    (!f.is_null()).then_some(f)
+}
+
 /// jemalloc's version and whether it keeps freed pages, when the process runs on it (the Linux
 /// CLI, src/main.rs); `None` under the system's malloc (tests, macOS, a library user's own
 /// program).
 pub fn allocator() -> Option<String> {
     type Mallctl =
         unsafe extern "C" fn(*const libc::c_char, *mut libc::c_void, *mut usize, *mut libc::c_void, usize) -> i32;
-    // SAFETY: dlsym with RTLD_DEFAULT only looks a name up in the loaded objects.
-    let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"mallctl".as_ptr()) };
-    if f.is_null() {
-        return None;
-    }
+    let f = loaded_symbol(c"mallctl")?;
     // The `malloc` every library's call resolves to must be the one beside this `mallctl`
     // (the executable's, interposing libc's), or MLX's arrays are still on the system's malloc.
     let object = |p: *mut libc::c_void| {
@@ -266,9 +266,7 @@ pub fn allocator() -> Option<String> {
         // SAFETY: dladdr only reads the loader's tables; `info` is a valid out-pointer.
         (unsafe { libc::dladdr(p, &mut info) } != 0).then_some(info.dli_fbase)
     };
-    // SAFETY: as above.
-    let malloc = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"malloc".as_ptr()) };
-    let whole_process = !malloc.is_null() && object(malloc).is_some() && object(malloc) == object(f);
+    let whole_process = loaded_symbol(c"malloc").is_some_and(|m| object(m).is_some() && object(m) == object(f));
     // SAFETY: jemalloc's mallctl has this signature.
     let mallctl = unsafe { std::mem::transmute::<*mut libc::c_void, Mallctl>(f) };
     let read = |name: &std::ffi::CStr, out: *mut libc::c_void, len: usize| {

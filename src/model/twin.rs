@@ -15,7 +15,6 @@
 //! Without that BLAS (macOS, a GPU, `PARITY_NETLIB_BLAS=1`) there is nothing to register with
 //! and the float32 matrices are read as before.
 
-use std::ffi::CStr;
 use std::sync::OnceLock;
 
 use mlx_rs::{Array, Dtype};
@@ -38,11 +37,7 @@ struct Shim {
 fn shim() -> Option<&'static Shim> {
     static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
     SHIM.get_or_init(|| {
-        let symbol = |name: &CStr| {
-            // SAFETY: dlsym with RTLD_DEFAULT only looks a name up in the loaded objects.
-            let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
-            (!f.is_null()).then_some(f)
-        };
+        let symbol = crate::environment::loaded_symbol;
         let (packed, drop, of, max_rows) = (
             symbol(c"parity_twin_packed")?,
             symbol(c"parity_twin_drop")?,

@@ -103,11 +103,13 @@ pub fn attend(
     kv.write_batch(layer, &ctx.seqs, &ctx.starts, &k, &v)?;
     let read = kv.read_batch(layer, &ctx.seqs)?;
     let w = read.keys.shape()[2];
-    let in_place = read.rows.as_ref().filter(|at| super::in_place::applies(&q, at, w));
+    let in_place = read.rows.as_ref().and_then(|at| super::in_place::plan(&q, at, w));
     // A timed tap evaluates what it is given: the gathered keys would run the copy that
     // attention in place does without, so it times the cache's write instead.
-    match in_place {
-        Some(at) if crate::model::timed(ctx.taps) => crate::model::tap(ctx.taps, Some(layer), "kv_read", &at.keys),
+    match &in_place {
+        Some(planned) if crate::model::timed(ctx.taps) => {
+            crate::model::tap(ctx.taps, Some(layer), "kv_read", planned.stored_keys())
+        }
         _ => crate::model::tap(ctx.taps, Some(layer), "kv_read", &read.keys),
     }
     let memo = if view.window.is_some() { &step.local_mask } else { &step.mask };
@@ -119,8 +121,8 @@ pub fn attend(
         Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
         Mask::Array(m) => Some(ScaledDotProductAttentionMask::Array(m)),
     };
-    if let Some(at) = in_place
-        && let Some(out) = super::in_place::attend(&q, at, w, scale, mask())?
+    if let Some(planned) = &in_place
+        && let Some(out) = planned.attend(&q, scale, mask())?
     {
         return Ok(out);
     }

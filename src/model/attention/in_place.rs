@@ -21,7 +21,6 @@
 //! softmax on the host, two synchronisations a layer; at SmolLM2's sizes they cost less than
 //! the copy from batch 2 on.
 
-use std::ffi::CStr;
 use std::sync::OnceLock;
 
 use mlx_rs::fast::ScaledDotProductAttentionMask;
@@ -47,11 +46,7 @@ struct Shim {
 fn shim() -> Option<&'static Shim> {
     static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
     SHIM.get_or_init(|| {
-        let symbol = |name: &CStr| {
-            // SAFETY: dlsym with RTLD_DEFAULT only looks a name up in the loaded objects.
-            let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
-            (!f.is_null()).then_some(f)
-        };
+        let symbol = crate::environment::loaded_symbol;
         let (chains, scores, values) =
             (symbol(c"parity_rows_chains")?, symbol(c"parity_rows_scores")?, symbol(c"parity_rows_values")?);
         // SAFETY: ci/blas/gemv_forward.c defines these functions with these signatures.
@@ -66,106 +61,123 @@ fn shim() -> Option<&'static Shim> {
     .as_ref()
 }
 
-/// Whether [`attend`] runs for `q` (`[B, H, T, D]`) over the rows `at` names, `l` a sequence
-/// (see the module docs).
-pub(super) fn applies(q: &Array, at: &StoreRows, l: i32) -> bool {
-    let (&[b, _, t, d], &[kv_heads, total, _]) = (q.shape(), at.keys.shape()) else {
-        return false;
+/// Attention in place for one layer's queries over the rows a read names, where it gives the
+/// copy's bits (see the module docs): [`plan`] checks, [`InPlace::attend`] computes.
+pub(super) struct InPlace<'a> {
+    shim: &'static Shim,
+    at: &'a StoreRows,
+    /// The queries' `[B, H, T, D]`, and the keys a sequence reads.
+    q_shape: [i32; 4],
+    l: i32,
+}
+
+/// Attention in place for `q` (`[B, H, T, D]`) over the rows `at` names, `l` a sequence, or
+/// `None` where it would not give the copy's bits.
+pub(super) fn plan<'a>(q: &Array, at: &'a StoreRows, l: i32) -> Option<InPlace<'a>> {
+    let (&[b, h, t, d], &[kv_heads, total, _]) = (q.shape(), at.keys.shape()) else {
+        return None;
     };
-    shim().is_some()
-        && q.dtype() == Dtype::Float32
+    let fits = q.dtype() == Dtype::Float32
         && at.keys.dtype() == Dtype::Float32
         && at.values.dtype() == Dtype::Float32
         && at.keys.shape() == [kv_heads, total, d]
         && at.values.shape() == at.keys.shape()
+        && h % kv_heads == 0
         && t <= TINY_ROWS
         && i64::from(l) * i64::from(d) < CHAIN_ELEMENTS
         && at.rows.len() == (b * l) as usize
+        // The shim reads each row's `d` floats at its index: every index inside the store.
         && at.rows.iter().all(|&r| (0..total).contains(&r))
-        && crate::environment::device() == "cpu"
+        && crate::environment::device() == "cpu";
+    let shim = shim().filter(|_| fits)?;
+    Some(InPlace { shim, at, q_shape: [b, h, t, d], l })
 }
 
-/// What [`super::attend_keys`] returns for `q` (`[B, H, T, D]`) over the rows `at` names (`l`
-/// a sequence), computed where the rows lie; `None` where this path does not give the same
-/// bits (see the module docs), and the caller attends the gathered copy.
-pub(super) fn attend(
-    q: &Array,
-    at: &StoreRows,
-    l: i32,
-    scale: f32,
-    mask: Option<ScaledDotProductAttentionMask<'_>>,
-) -> Result<Option<Array>> {
-    let (&[b, h, t, d], &[kv_heads, total, _]) = (q.shape(), at.keys.shape()) else {
-        return Ok(None);
-    };
-    let Some(shim) = shim().filter(|_| applies(q, at, l)) else { return Ok(None) };
-    let repeats = h / kv_heads;
-    let q = mlx_rs::array!(scale).multiply(q)?;
-    mlx_rs::transforms::eval([&q, &at.keys, &at.values])?;
-    let (Ok(qh), Ok(kh), Ok(vh)) =
-        (q.try_as_slice::<f32>(), at.keys.try_as_slice::<f32>(), at.values.try_as_slice::<f32>())
-    else {
-        return Ok(None);
-    };
-    // A (batch row, kv head)'s queries are `repeats * t` rows in a row of `q`, each a chain
-    // against every key of that head.
-    let (rows_per, per_head) = ((repeats * t) as usize, (total * d) as usize);
-    let (l_, d_) = (l as usize, d as usize);
-    let mut scores = vec![0f32; (b * h * t * l) as usize];
-    for bi in 0..b as usize {
-        let seq = &at.rows[bi * l_..(bi + 1) * l_];
-        for hk in 0..kv_heads as usize {
-            let first = (bi * kv_heads as usize + hk) * rows_per;
-            // SAFETY: `first` names `rows_per` query rows of `d` inside `qh` and score rows of
-            // `l` inside `scores`; every row index is checked to be under `total`, the rows of
-            // head `hk`'s store.
+impl InPlace<'_> {
+    /// The layer's key store the rows are read from.
+    pub(super) fn stored_keys(&self) -> &Array {
+        &self.at.keys
+    }
+
+    /// What [`super::attend_keys`] returns over the gathered copy, computed where the rows lie;
+    /// `None` (attend the copy) for queries of another shape than planned, or arrays MLX did
+    /// not lay out in rows.
+    pub(super) fn attend(
+        &self,
+        q: &Array,
+        scale: f32,
+        mask: Option<ScaledDotProductAttentionMask<'_>>,
+    ) -> Result<Option<Array>> {
+        if q.shape() != self.q_shape {
+            return Ok(None);
+        }
+        let ([b, h, t, d], l, at) = (self.q_shape, self.l, self.at);
+        let kv_heads = at.keys.shape()[0];
+        let repeats = h / kv_heads;
+        let q = mlx_rs::array!(scale).multiply(q)?;
+        mlx_rs::transforms::eval([&q, &at.keys, &at.values])?;
+        let (Ok(qh), Ok(kh), Ok(vh)) =
+            (q.try_as_slice::<f32>(), at.keys.try_as_slice::<f32>(), at.values.try_as_slice::<f32>())
+        else {
+            return Ok(None);
+        };
+        let heads = Heads { kv_heads: kv_heads as usize, rows_per: (repeats * t) as usize, d: d as usize };
+        let mut scores = vec![0f32; (b * h * t * l) as usize];
+        heads.each(self.shim.scores, qh, d as usize, kh, &at.rows, &mut scores, l as usize);
+        let shape: &[i32] = if repeats > 1 { &[b, kv_heads, repeats, t, l] } else { &[b, h, t, l] };
+        let weights = super::weights(Array::from_slice(&scores, shape), mask, kv_heads, repeats, t, l)?;
+        // A mask of another shape would have broadcast the weights past the rows read below.
+        if weights.shape() != shape {
+            return Ok(None);
+        }
+        let Ok(p) = weights.try_as_slice::<f32>() else { return Ok(None) };
+        let mut out = vec![0f32; (b * h * t * d) as usize];
+        heads.each(self.shim.values, p, l as usize, vh, &at.rows, &mut out, d as usize);
+        Ok(Some(Array::from_slice(&out, &[b, h, t, d])))
+    }
+}
+
+/// How a batch's query rows meet the store: a (batch row, kv head) pair's queries are `rows_per`
+/// consecutive rows (its heads' tokens), each a chain against every row of that head's store
+/// (`d` floats a row) the sequence reads.
+struct Heads {
+    kv_heads: usize,
+    rows_per: usize,
+    d: usize,
+}
+
+impl Heads {
+    /// `product` (the shim's scores or values) for every (batch row, kv head): its rows of `a`
+    /// (`k` wide) by the store rows its sequence reads (`rows`, a run per batch row), into as
+    /// many rows of `c` (`n` wide).
+    #[allow(clippy::too_many_arguments)]
+    fn each(&self, product: RowsFn, a: &[f32], k: usize, store: &[f32], rows: &[i32], c: &mut [f32], n: usize) {
+        let per_head = store.len() / self.kv_heads;
+        let pairs = a.len() / (self.rows_per * k);
+        let l = rows.len() / (pairs / self.kv_heads);
+        for pair in 0..pairs {
+            let (bi, hk) = (pair / self.kv_heads, pair % self.kv_heads);
+            let first = pair * self.rows_per;
+            let seq = &rows[bi * l..(bi + 1) * l];
+            // SAFETY: `first` names `rows_per` rows of `k` inside `a` and of `n` inside `c` (both
+            // sized for every pair); `plan` checked every row index to be under the store's
+            // rows, so each of the `l` rows read from head `hk`'s store is inside it.
             unsafe {
-                (shim.scores)(
-                    rows_per as i32,
-                    d,
-                    qh[first * d_..].as_ptr(),
-                    d,
-                    kh[hk * per_head..].as_ptr(),
-                    d,
+                product(
+                    self.rows_per as i32,
+                    k as i32,
+                    a[first * k..].as_ptr(),
+                    k as i32,
+                    store[hk * per_head..].as_ptr(),
+                    self.d as i32,
                     seq.as_ptr(),
-                    l,
-                    scores[first * l_..].as_mut_ptr(),
-                    l,
+                    n as i32,
+                    c[first * n..].as_mut_ptr(),
+                    n as i32,
                 );
             }
         }
     }
-    let shape: &[i32] = if repeats > 1 { &[b, kv_heads, repeats, t, l] } else { &[b, h, t, l] };
-    let weights = super::weights(Array::from_slice(&scores, shape), mask, kv_heads, repeats, t, l)?;
-    // A mask of another shape would have broadcast the weights past the rows read below.
-    if weights.shape() != shape {
-        return Ok(None);
-    }
-    let Ok(p) = weights.try_as_slice::<f32>() else { return Ok(None) };
-    let mut out = vec![0f32; (b * h * t * d) as usize];
-    for bi in 0..b as usize {
-        let seq = &at.rows[bi * l_..(bi + 1) * l_];
-        for hk in 0..kv_heads as usize {
-            let first = (bi * kv_heads as usize + hk) * rows_per;
-            // SAFETY: as for the scores: `rows_per` weight rows of `l`, output rows of `d`,
-            // value rows checked under `total`.
-            unsafe {
-                (shim.values)(
-                    rows_per as i32,
-                    l,
-                    p[first * l_..].as_ptr(),
-                    l,
-                    vh[hk * per_head..].as_ptr(),
-                    d,
-                    seq.as_ptr(),
-                    d,
-                    out[first * d_..].as_mut_ptr(),
-                    d,
-                );
-            }
-        }
-    }
-    Ok(Some(Array::from_slice(&out, &[b, h, t, d])))
 }
 
 #[cfg(test)]
@@ -254,9 +266,9 @@ mod tests {
                 (false, _) => Some(ScaledDotProductAttentionMask::Array(&rows_mask)),
             };
             let at = StoreRows { keys, values, rows: Rc::new(rows) };
-            assert!(applies(&q, &at, l), "{what}: the case runs in place");
+            let planned = plan(&q, &at, l).expect("the case runs in place");
             let copy = super::super::attend_keys(&q, &kg, &vg, 0.125, mask()).unwrap();
-            let ours = attend(&q, &at, l, 0.125, mask()).unwrap().expect("in place");
+            let ours = planned.attend(&q, 0.125, mask()).unwrap().expect("in place");
             assert_eq!(ours.shape(), copy.shape(), "{what}");
             let (ours, copy) = (ours.as_slice::<f32>(), copy.as_slice::<f32>());
             assert!(copy.iter().all(|x| x.is_finite()), "{what}: the copy read a poisoned row");
