@@ -54,8 +54,12 @@ pub const CLAIMS: &str = "claims";
 const AUTO_MAX: usize = 4;
 
 /// How many workers this run uses. `auto`: one per core (up to [`AUTO_MAX`], and no more than
-/// the run has cells) on the CPU when every selected checkpoint runs in this process and no
-/// `--filter` narrows the run to a few rows; else 1.
+/// the run has cells) on the CPU when every selected checkpoint runs in this process, no
+/// `--filter` narrows the run to a few rows and MLX builds its kernels through parity's `g++`
+/// (see `environment::compile_mlx_kernels_for_this_cpu`); else 1. MLX's own build
+/// (`PARITY_MLX_JIT=baseline`, a CPU without x86-64-v3, macOS) writes a missing kernel where
+/// another process may load it half written: two workers on a fresh cache sometimes lost a
+/// noise floor that way, where the wrapper builds each kernel once, under a lock.
 /// An explicit count above 1 for a checkpoint that starts processes is a usage error.
 pub fn count(jobs: Jobs, suite: &Suite, opts: &RunOptions, cells: usize) -> Result<usize, String> {
     let starts = suite
@@ -78,7 +82,12 @@ pub fn count(jobs: Jobs, suite: &Suite, opts: &RunOptions, cells: usize) -> Resu
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             let cpu = crate::environment::device() == "cpu";
             let whole = opts.filter.is_none();
-            Ok(if starts.is_none() && cpu && whole { cores.min(AUTO_MAX).min(cells).max(1) } else { 1 })
+            let locked_kernels = crate::environment::mlx_jit().is_some();
+            Ok(if starts.is_none() && cpu && whole && locked_kernels {
+                cores.min(AUTO_MAX).min(cells).max(1)
+            } else {
+                1
+            })
         }
     }
 }

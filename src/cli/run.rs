@@ -42,8 +42,8 @@ pub struct Args {
     pub reports: Option<PathBuf>,
     /// Worker processes to spread the suite's cells over, their rows merged into one report
     /// (each computes with one BLAS thread). auto: one per core, up to 4, on the CPU when every
-    /// selected checkpoint runs on parity's builtin engine in this process and no --filter is
-    /// given; else 1.
+    /// selected checkpoint runs on parity's builtin engine in this process, no --filter is
+    /// given and MLX's kernels are built through parity's locked g++ (Linux, x86-64-v3); else 1.
     #[arg(long, env = "PARITY_JOBS", default_value = "auto", value_name = "N")]
     pub jobs: super::jobs::Jobs,
     /// A worker of `--jobs`: run the cells claimed from its peers through this directory (and
