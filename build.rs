@@ -13,11 +13,37 @@ fn git(args: &[&str]) -> Option<String> {
     out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// Linux: attention in place's MLX primitive (src/model/attention/in_place.cpp), compiled
+/// against the headers of the MLX the patched mlx-sys links (DEP_MLX_INCLUDE), as MLX's own
+/// extensions are (C++20, MLX's package config asks for it). `cfg(parity_rows_primitive)` tells
+/// the Rust side it is there; on macOS the stock mlx-sys publishes no headers and paged reads
+/// attend the gathered copy.
+fn rows_primitive() {
+    println!("cargo::rustc-check-cfg=cfg(parity_rows_primitive)");
+    println!("cargo:rerun-if-env-changed=DEP_MLX_INCLUDE");
+    let source = "src/model/attention/in_place.cpp";
+    println!("cargo:rerun-if-changed={source}");
+    let Ok(include) = std::env::var("DEP_MLX_INCLUDE") else { return };
+    cc::Build::new()
+        .cpp(true)
+        .std("c++20")
+        // MLX's headers as a system directory: their own warnings are not this file's.
+        .flag("-isystem")
+        .flag(&include)
+        .file(source)
+        .warnings(true)
+        .extra_warnings(true)
+        .warnings_into_errors(true)
+        .compile("parity_rows_primitive");
+    println!("cargo:rustc-cfg=parity_rows_primitive");
+}
+
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_MLX_LIBDIR");
     if let Ok(dir) = std::env::var("DEP_MLX_LIBDIR") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
     }
+    rows_primitive();
     // The CLI's jemalloc (src/main.rs) answers `mallctl` for environment::allocator, which
     // looks it up by name as it does OpenBLAS's functions: exported, or it would not be found.
     if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {

@@ -285,11 +285,13 @@ pub struct BatchKv {
 
 /// The rows of a batched read where they lie: the layer's stores, K and V each `[kv_heads,
 /// rows, head_dim]`, and the store row of every column, `[B * W]` row-major (padding repeats a
-/// sequence's first row, as the gather pads).
+/// sequence's first row, as the gather pads), on the host and as an int32 array.
 pub struct StoreRows {
     pub keys: Array,
     pub values: Array,
     pub rows: Rc<Vec<i32>>,
+    /// `rows` for a graph that reads them: built once a step, shared by the group's layers.
+    pub index: Array,
 }
 
 /// Shape check for [`KvCache::write_batch`]: K/V `[B, H, T, D]` with one start per sequence.

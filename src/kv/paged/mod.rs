@@ -98,8 +98,9 @@ struct PagedSeq {
 #[derive(Clone)]
 enum Plan {
     Span(usize, usize),
-    /// The gather's index, and the store row of every column (for reads where they lie).
-    Gather(Array, Rc<Vec<i32>>),
+    /// The gather's index, and the store row of every column on the host and as an array (for
+    /// reads where they lie).
+    Gather(Array, Rc<Vec<i32>>, Array),
 }
 
 /// The layers that share block tables: every global layer, or every layer of one window.
@@ -499,7 +500,8 @@ impl PagedBlockPool {
             Ok(if rows.len() == 1 && contiguous {
                 Plan::Span(flat[0] as usize, flat.len())
             } else {
-                Plan::Gather(group.store.head_major(flat), Rc::new(flat.clone()))
+                let index = Array::from_slice(flat, &[flat.len() as i32]);
+                Plan::Gather(group.store.head_major(flat), Rc::new(flat.clone()), index)
             })
         })?;
         Ok((plan, w))
@@ -513,10 +515,10 @@ impl PagedBlockPool {
         let (plan, w) = self.plan(g, &rows)?;
         let ((keys, values), rows_at) = match &*plan {
             Plan::Span(start, n) => (store.span(local, *start, *n)?, None),
-            Plan::Gather(index, flat) => {
+            Plan::Gather(gather, flat, index) => {
                 let (k, v) = store.layer(local)?;
-                let at = StoreRows { keys: k.clone(), values: v.clone(), rows: Rc::clone(flat) };
-                (store.gather(local, index, rows.len(), w)?, Some(at))
+                let at = StoreRows { keys: k.clone(), values: v.clone(), rows: Rc::clone(flat), index: index.clone() };
+                (store.gather(local, gather, rows.len(), w)?, Some(at))
             }
         };
         Ok(BatchKv { keys, values, visible: rows.iter().map(Vec::len).collect(), first, rows: rows_at })

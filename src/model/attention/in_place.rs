@@ -15,11 +15,12 @@
 //! rows, an operand under `CHAIN_ELEMENTS`. Anywhere else the gathered copy is attended as
 //! before.
 //!
-//! The mask is MLX's and the softmax [`super::attend_keys`]'s fused one, which is MLX's to the
-//! bit at any size (the test holds this path to MLX's own attention under the size
-//! `attend_keys` fuses at, too). The price is that the step waits for the queries and the
-//! softmax on the host, two synchronisations a layer; at SmolLM2's sizes they cost less than
-//! the copy from batch 2 on.
+//! The products are operations of the step's graph (`in_place.cpp`, an MLX primitive that
+//! calls the shim on MLX's CPU stream), so nothing waits: run on the host between waits for the
+//! queries and the softmax, two a layer, they cost a decode step its pipelining (the host could
+//! not build step n + 1 while step n ran), 5-7% of a batch-32 step. The mask is MLX's and the
+//! softmax [`super::attend_keys`]'s fused one, which is MLX's to the bit at any size (the test
+//! holds this path to MLX's own attention under the size `attend_keys` fuses at, too).
 
 use std::sync::OnceLock;
 
@@ -37,15 +38,41 @@ const CHAIN_ELEMENTS: i64 = 65536;
 type ChainsFn = unsafe extern "C" fn() -> i32;
 type RowsFn = unsafe extern "C" fn(i32, i32, *const f32, i32, *const f32, i32, *const i32, i32, *mut f32, i32);
 
+#[cfg(parity_rows_primitive)]
+unsafe extern "C" {
+    /// `in_place.cpp`: the lazy product of `a` by the rows `rows` of `store`, shaped `shape`.
+    fn parity_rows_product(
+        res: *mut mlx_sys::mlx_array,
+        a: mlx_sys::mlx_array,
+        store: mlx_sys::mlx_array,
+        rows: mlx_sys::mlx_array,
+        product: RowsFn,
+        batch: i32,
+        kv_heads: i32,
+        rows_per: i32,
+        k: i32,
+        n: i32,
+        l: i32,
+        shape: *const i32,
+        ndim: i32,
+        err: *mut libc::c_char,
+        err_len: usize,
+    ) -> i32;
+}
+
 struct Shim {
     scores: RowsFn,
     values: RowsFn,
 }
 
-/// The shim's products over rows, where it is loaded and runs its chains on this CPU.
+/// The shim's products over rows, where it is loaded and runs its chains on this CPU, and the
+/// primitive that runs them is built in.
 fn shim() -> Option<&'static Shim> {
     static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
     SHIM.get_or_init(|| {
+        if !cfg!(parity_rows_primitive) {
+            return None;
+        }
         let symbol = crate::environment::loaded_symbol;
         let (chains, scores, values) =
             (symbol(c"parity_rows_chains")?, symbol(c"parity_rows_scores")?, symbol(c"parity_rows_values")?);
@@ -62,7 +89,7 @@ fn shim() -> Option<&'static Shim> {
 }
 
 /// Attention in place for one layer's queries over the rows a read names, where it gives the
-/// copy's bits (see the module docs): [`plan`] checks, [`InPlace::attend`] computes.
+/// copy's bits (see the module docs): [`plan`] checks, [`InPlace::attend`] builds.
 pub(super) struct InPlace<'a> {
     shim: &'static Shim,
     at: &'a StoreRows,
@@ -86,7 +113,9 @@ pub(super) fn plan<'a>(q: &Array, at: &'a StoreRows, l: i32) -> Option<InPlace<'
         && t <= TINY_ROWS
         && i64::from(l) * i64::from(d) < CHAIN_ELEMENTS
         && at.rows.len() == (b * l) as usize
-        // The shim reads each row's `d` floats at its index: every index inside the store.
+        && at.index.shape() == [b * l]
+        // The primitive reads each row's `d` floats at its index unchecked: every index inside
+        // the store. (`index` holds `rows`' numbers.)
         && at.rows.iter().all(|&r| (0..total).contains(&r))
         && crate::environment::device() == "cpu";
     let shim = shim().filter(|_| fits)?;
@@ -100,8 +129,7 @@ impl InPlace<'_> {
     }
 
     /// What [`super::attend_keys`] returns over the gathered copy, computed where the rows lie;
-    /// `None` (attend the copy) for queries of another shape than planned, or arrays MLX did
-    /// not lay out in rows.
+    /// `None` (attend the copy) for queries of another shape than planned.
     pub(super) fn attend(
         &self,
         q: &Array,
@@ -115,68 +143,61 @@ impl InPlace<'_> {
         let kv_heads = at.keys.shape()[0];
         let repeats = h / kv_heads;
         let q = mlx_rs::array!(scale).multiply(q)?;
-        mlx_rs::transforms::eval([&q, &at.keys, &at.values])?;
-        let (Ok(qh), Ok(kh), Ok(vh)) =
-            (q.try_as_slice::<f32>(), at.keys.try_as_slice::<f32>(), at.values.try_as_slice::<f32>())
-        else {
-            return Ok(None);
-        };
-        let heads = Heads { kv_heads: kv_heads as usize, rows_per: (repeats * t) as usize, d: d as usize };
-        let mut scores = vec![0f32; (b * h * t * l) as usize];
-        heads.each(self.shim.scores, qh, d as usize, kh, &at.rows, &mut scores, l as usize);
         let shape: &[i32] = if repeats > 1 { &[b, kv_heads, repeats, t, l] } else { &[b, h, t, l] };
-        let weights = super::weights(Array::from_slice(&scores, shape), mask, kv_heads, repeats, t, l)?;
+        let scores = self.product(self.shim.scores, &q, &at.keys, d, l, shape)?;
+        let weights = super::weights(scores, mask, kv_heads, repeats, t, l)?;
         // A mask of another shape would have broadcast the weights past the rows read below.
         if weights.shape() != shape {
             return Ok(None);
         }
-        let Ok(p) = weights.try_as_slice::<f32>() else { return Ok(None) };
-        let mut out = vec![0f32; (b * h * t * d) as usize];
-        heads.each(self.shim.values, p, l as usize, vh, &at.rows, &mut out, d as usize);
-        Ok(Some(Array::from_slice(&out, &[b, h, t, d])))
+        Ok(Some(self.product(self.shim.values, &weights, &at.values, l, d, &[b, h, t, d])?))
     }
-}
 
-/// How a batch's query rows meet the store: a (batch row, kv head) pair's queries are `rows_per`
-/// consecutive rows (its heads' tokens), each a chain against every row of that head's store
-/// (`d` floats a row) the sequence reads.
-struct Heads {
-    kv_heads: usize,
-    rows_per: usize,
-    d: usize,
-}
-
-impl Heads {
-    /// `product` (the shim's scores or values) for every (batch row, kv head): its rows of `a`
-    /// (`k` wide) by the store rows its sequence reads (`rows`, a run per batch row), into as
-    /// many rows of `c` (`n` wide).
-    #[allow(clippy::too_many_arguments)]
-    fn each(&self, product: RowsFn, a: &[f32], k: usize, store: &[f32], rows: &[i32], c: &mut [f32], n: usize) {
-        let per_head = store.len() / self.kv_heads;
-        let pairs = a.len() / (self.rows_per * k);
-        let l = rows.len() / (pairs / self.kv_heads);
-        for pair in 0..pairs {
-            let (bi, hk) = (pair / self.kv_heads, pair % self.kv_heads);
-            let first = pair * self.rows_per;
-            let seq = &rows[bi * l..(bi + 1) * l];
-            // SAFETY: `first` names `rows_per` rows of `k` inside `a` and of `n` inside `c` (both
-            // sized for every pair); `plan` checked every row index to be under the store's
-            // rows, so each of the `l` rows read from head `hk`'s store is inside it.
-            unsafe {
-                product(
-                    self.rows_per as i32,
-                    k as i32,
-                    a[first * k..].as_ptr(),
-                    k as i32,
-                    store[hk * per_head..].as_ptr(),
-                    self.d as i32,
-                    seq.as_ptr(),
-                    n as i32,
-                    c[first * n..].as_mut_ptr(),
-                    n as i32,
-                );
-            }
+    /// `product` (the shim's scores or values) for every (batch row, kv head) pair: its `repeats
+    /// * t` rows of `a` (`k` wide) by the store rows its sequence reads from that head's store,
+    /// into as many rows of the result (`n` wide), shaped `shape`.
+    #[cfg(parity_rows_primitive)]
+    fn product(&self, product: RowsFn, a: &Array, store: &Array, k: i32, n: i32, shape: &[i32]) -> Result<Array> {
+        let [b, h, t, _] = self.q_shape;
+        let kv_heads = self.at.keys.shape()[0];
+        let mut res = mlx_sys::mlx_array { ctx: std::ptr::null_mut() };
+        let mut err = [0 as libc::c_char; 256];
+        // SAFETY: the handles are live arrays for the call; the primitive checks the operands'
+        // types and sizes against the geometry, and `plan` checked every row index to be under
+        // the store's rows, which is all it reads unchecked. On success `res` holds a new
+        // array this side owns.
+        let status = unsafe {
+            parity_rows_product(
+                &mut res,
+                a.as_ptr(),
+                store.as_ptr(),
+                self.at.index.as_ptr(),
+                product,
+                b,
+                kv_heads,
+                h / kv_heads * t,
+                k,
+                n,
+                self.l,
+                shape.as_ptr(),
+                shape.len() as i32,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        if status != 0 {
+            // SAFETY: the primitive wrote a terminated message into `err`.
+            let message = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned();
+            return Err(crate::error::Error::Invalid(message));
         }
+        // SAFETY: `res` is the new array the call made.
+        Ok(unsafe { Array::from_ptr(res) })
+    }
+
+    /// Never reached: without the primitive `shim()` is `None`, so nothing is planned in place.
+    #[cfg(not(parity_rows_primitive))]
+    fn product(&self, _: RowsFn, _: &Array, _: &Array, _: i32, _: i32, _: &[i32]) -> Result<Array> {
+        Err(crate::error::Error::Invalid("attention in place needs parity's MLX primitive, not built here".into()))
     }
 }
 
@@ -265,7 +286,8 @@ mod tests {
                 (true, _) => Some(ScaledDotProductAttentionMask::Causal),
                 (false, _) => Some(ScaledDotProductAttentionMask::Array(&rows_mask)),
             };
-            let at = StoreRows { keys, values, rows: Rc::new(rows) };
+            let index = Array::from_slice(&rows, &[rows.len() as i32]);
+            let at = StoreRows { keys, values, rows: Rc::new(rows), index };
             let planned = plan(&q, &at, l).expect("the case runs in place");
             let copy = super::super::attend_keys(&q, &kg, &vg, 0.125, mask()).unwrap();
             let ours = planned.attend(&q, 0.125, mask()).unwrap().expect("in place");
