@@ -20,7 +20,6 @@
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
 
@@ -47,15 +46,36 @@ struct Geometry {
     int pairs, kv_heads, rows_per, k, n, d, l;
 };
 
+// `a`'s elements in row-major order. A decode step's scaled queries and its weights are laid out
+// so already; a few-token step's queries are a transposed view. The copy here costs less than a
+// `contiguous` operation in the graph would cost every step that needs none.
+std::vector<float> row_major(const float* data, const mx::Shape& shape, const mx::Strides& strides) {
+    size_t size = 1;
+    for (int s : shape) size *= static_cast<size_t>(s);
+    std::vector<float> out(size);
+    std::vector<int> at(shape.size(), 0);
+    for (size_t i = 0; i < size; i++) {
+        int64_t offset = 0;
+        for (size_t d = 0; d < shape.size(); d++) offset += static_cast<int64_t>(at[d]) * strides[d];
+        out[i] = data[offset];
+        for (size_t d = shape.size(); d-- > 0;) {
+            if (++at[d] < shape[d]) break;
+            at[d] = 0;
+        }
+    }
+    return out;
+}
+
 class RowsProduct : public mx::UnaryPrimitive {
   public:
     RowsProduct(mx::Stream s, parity_rows_fn product, Geometry g) : mx::UnaryPrimitive(s), product_(product), g_(g) {}
 
     void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
         const mx::array &a = inputs[0], &store = inputs[1], &rows = inputs[2];
-        // Built from `contiguous` operands: a strided one here would be read at wrong places.
-        for (const mx::array* x : {&a, &store, &rows})
-            if (!x->flags().row_contiguous) throw std::invalid_argument("[parity rows] an operand is not row-contiguous");
+        // The stores are scatters' outputs and the rows an array made from the host's: both
+        // row-major by construction. Read at wrong places otherwise, so checked.
+        if (!store.flags().row_contiguous || !rows.flags().row_contiguous)
+            throw std::invalid_argument("[parity rows] the store or its row index is not row-major");
         out.set_data(mx::allocator::malloc(out.nbytes()));
         auto& encoder = mx::cpu::get_command_encoder(stream());
         encoder.set_input_array(a);
@@ -63,12 +83,20 @@ class RowsProduct : public mx::UnaryPrimitive {
         encoder.set_input_array(rows);
         encoder.set_output_array(out);
         size_t per_head = static_cast<size_t>(store.shape(1)) * g_.d;
-        encoder.dispatch([product = product_, g = g_, a = a.data<float>(), store = store.data<float>(),
-                          rows = rows.data<int32_t>(), c = out.data<float>(), per_head]() {
+        bool strided = !a.flags().row_contiguous;
+        encoder.dispatch([product = product_, g = g_, a = a.data<float>(), shape = a.shape(), strides = a.strides(),
+                          strided, store = store.data<float>(), rows = rows.data<int32_t>(), c = out.data<float>(),
+                          per_head]() {
+            std::vector<float> copy;
+            const float* rows_of_a = a;
+            if (strided) {
+                copy = row_major(a, shape, strides);
+                rows_of_a = copy.data();
+            }
             for (int pair = 0; pair < g.pairs; pair++) {
                 int bi = pair / g.kv_heads, hk = pair % g.kv_heads;
                 size_t first = static_cast<size_t>(pair) * g.rows_per;
-                product(g.rows_per, g.k, a + first * g.k, g.k, store + hk * per_head, g.d,
+                product(g.rows_per, g.k, rows_of_a + first * g.k, g.k, store + hk * per_head, g.d,
                         rows + static_cast<size_t>(bi) * g.l, g.n, c + first * g.n, g.n);
             }
         });
@@ -114,8 +142,7 @@ extern "C" int parity_rows_product(parity_mlx_array* res, parity_mlx_array a, pa
         if (k != g.d && n != g.d) throw std::invalid_argument("[parity rows] neither side is the store's row width");
         mx::Stream s = mx::default_stream(mx::Device(mx::Device::cpu));
         auto primitive = std::make_shared<RowsProduct>(s, product, g);
-        mx::array out(std::move(out_shape), mx::float32, std::move(primitive),
-                      {mx::contiguous(av, false, s), mx::contiguous(sv, false, s), mx::contiguous(rv, false, s)});
+        mx::array out(std::move(out_shape), mx::float32, std::move(primitive), {av, sv, rv});
         res->ctx = new mx::array(std::move(out));
         return 0;
     } catch (const std::exception& e) {

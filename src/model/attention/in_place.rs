@@ -212,7 +212,8 @@ mod tests {
     /// offset would move every paged row's logits away from dense's. Ragged rows with padding,
     /// blocks out of order, rows no sequence reads poisoned with NaN (they must stay unread),
     /// grouped and plain heads, head sizes under, at and past the shim's 64-column blocks, one
-    /// query row and several, each mask kind.
+    /// query row and several (a strided view, as a layer's are, read in the wrong order if taken
+    /// as row-major), each mask kind.
     #[test]
     fn in_place_attention_is_the_gathered_copy_s_bit_for_bit() {
         crate::environment::use_device(crate::environment::DeviceChoice::Cpu).expect("the CPU is always there");
@@ -259,7 +260,8 @@ mod tests {
             };
             let keys = poisoned(normal(&[kv_heads, total as i32, d]));
             let values = poisoned(normal(&[kv_heads, total as i32, d]));
-            let q = normal(&[b, h, t, d]).multiply(mlx_rs::array!(3.0)).unwrap();
+            // Laid out as a layer's queries are, a transposed `[B, T, H, D]`: strided where t > 1.
+            let q = normal(&[b, t, h, d]).multiply(mlx_rs::array!(3.0)).unwrap().transpose_axes(&[0, 2, 1, 3]).unwrap();
             let index: Vec<i32> =
                 (0..kv_heads).flat_map(|hk| rows.iter().map(move |&r| hk * total as i32 + r)).collect();
             let index = Array::from_slice(&index, &[index.len() as i32]);
