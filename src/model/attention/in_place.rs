@@ -18,9 +18,10 @@
 //! The products are operations of the step's graph (`in_place.cpp`, an MLX primitive that
 //! calls the shim on MLX's CPU stream), so nothing waits: run on the host between waits for the
 //! queries and the softmax, two a layer, they cost a decode step its pipelining (the host could
-//! not build step n + 1 while step n ran): a batch-32 SmolLM2 step 7-11% slower than dense's. The mask is MLX's and the
-//! softmax [`super::attend_keys`]'s fused one, which is MLX's to the bit at any size (the test
-//! holds this path to MLX's own attention under the size `attend_keys` fuses at, too).
+//! not build step n + 1 while step n ran): a batch-32 SmolLM2 step 7-11% slower than dense's.
+//! The mask is MLX's and the softmax [`super::attend_keys`]'s fused one, which is MLX's to the
+//! bit at any size (the test holds this path to MLX's own attention under the size
+//! `attend_keys` fuses at, too).
 
 use std::sync::OnceLock;
 
