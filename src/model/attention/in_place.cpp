@@ -115,31 +115,33 @@ class RowsProduct : public mx::UnaryPrimitive {
 
 }  // namespace
 
-// `*res` = the lazy product of `a` (`pairs * rows_per` rows of `k` floats) by the rows `rows`
-// (int32, `l` for each batch row) of `store` (float32 `[kv_heads, rows, d]`), shaped `shape`
-// (`pairs * rows_per * n` floats). The caller has checked that every index in `rows` is under the
-// store's rows (the primitive reads them unchecked). 0 on success; else 1 and a message in `err`.
+// `*res` = the lazy product of `a` (`batch * kv_heads * rows_per` rows) by the rows `rows` (int32,
+// `l` for each batch row) of `store` (float32 `[kv_heads, rows, d]`), shaped `shape`. Scores
+// (`values` 0) take `a` d wide and give l columns; values (`values` 1) take `a` l wide and give d
+// columns: the widths follow from the kind, so a product can never read a store row past its d
+// floats or a batch row's index past its l. The caller has checked that every index in `rows` is
+// under the store's rows (the primitive reads them unchecked). 0 on success; else 1 and a
+// message in `err`.
 extern "C" int parity_rows_product(parity_mlx_array* res, parity_mlx_array a, parity_mlx_array store,
-                                   parity_mlx_array rows, parity_rows_fn product, int batch, int kv_heads,
-                                   int rows_per, int k, int n, int l, const int* shape, int ndim, char* err,
+                                   parity_mlx_array rows, parity_rows_fn product, int values, int batch,
+                                   int kv_heads, int rows_per, int l, const int* shape, int ndim, char* err,
                                    size_t err_len) {
     try {
         const mx::array &av = *static_cast<mx::array*>(a.ctx), &sv = *static_cast<mx::array*>(store.ctx),
                         &rv = *static_cast<mx::array*>(rows.ctx);
-        if (batch <= 0 || kv_heads <= 0 || rows_per <= 0 || k <= 0 || n <= 0 || l <= 0 || ndim < 1)
+        if (batch <= 0 || kv_heads <= 0 || rows_per <= 0 || l <= 0 || ndim < 1)
             throw std::invalid_argument("[parity rows] empty geometry");
         if (av.dtype() != mx::float32 || sv.dtype() != mx::float32 || rv.dtype() != mx::int32 || sv.ndim() != 3 ||
-            sv.shape(0) != kv_heads)
+            sv.shape(0) != kv_heads || sv.shape(2) <= 0)
             throw std::invalid_argument("[parity rows] operands of another type or store shape");
-        Geometry g{batch * kv_heads, kv_heads, rows_per, k, n, sv.shape(2), l};
+        int d = sv.shape(2), k = values ? l : d, n = values ? d : l;
+        Geometry g{batch * kv_heads, kv_heads, rows_per, k, n, d, l};
         mx::Shape out_shape(shape, shape + ndim);
         size_t rows_a = static_cast<size_t>(g.pairs) * rows_per;
         size_t out_size = 1;
         for (int s : out_shape) out_size *= static_cast<size_t>(s);
         if (av.size() != rows_a * k || out_size != rows_a * n || rv.size() != static_cast<size_t>(batch) * l)
             throw std::invalid_argument("[parity rows] operand sizes do not match the geometry");
-        // Scores read `k` = d floats of each store row; values write `n` = d of them.
-        if (k != g.d && n != g.d) throw std::invalid_argument("[parity rows] neither side is the store's row width");
         mx::Stream s = mx::default_stream(mx::Device(mx::Device::cpu));
         auto primitive = std::make_shared<RowsProduct>(s, product, g);
         mx::array out(std::move(out_shape), mx::float32, std::move(primitive), {av, sv, rv});

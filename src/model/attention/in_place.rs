@@ -48,11 +48,10 @@ unsafe extern "C" {
         store: mlx_sys::mlx_array,
         rows: mlx_sys::mlx_array,
         product: RowsFn,
+        values: i32,
         batch: i32,
         kv_heads: i32,
         rows_per: i32,
-        k: i32,
-        n: i32,
         l: i32,
         shape: *const i32,
         ndim: i32,
@@ -61,6 +60,14 @@ unsafe extern "C" {
     ) -> i32;
 }
 
+/// Attention's two products over the rows.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Product {
+    Scores,
+    Values,
+}
+
+#[cfg_attr(not(parity_rows_primitive), expect(dead_code, reason = "only the primitive calls the products"))]
 struct Shim {
     scores: RowsFn,
     values: RowsFn,
@@ -92,6 +99,7 @@ fn shim() -> Option<&'static Shim> {
 /// Attention in place for one layer's queries over the rows a read names, where it gives the
 /// copy's bits (see the module docs): [`plan`] checks, [`InPlace::attend`] builds.
 pub(super) struct InPlace<'a> {
+    #[cfg_attr(not(parity_rows_primitive), expect(dead_code, reason = "only the primitive calls the products"))]
     shim: &'static Shim,
     at: &'a StoreRows,
     /// The queries' `[B, H, T, D]`, and the keys a sequence reads.
@@ -145,22 +153,27 @@ impl InPlace<'_> {
         let repeats = h / kv_heads;
         let q = mlx_rs::array!(scale).multiply(q)?;
         let shape: &[i32] = if repeats > 1 { &[b, kv_heads, repeats, t, l] } else { &[b, h, t, l] };
-        let scores = self.product(self.shim.scores, &q, &at.keys, d, l, shape)?;
+        let scores = self.product(Product::Scores, &q, &at.keys, shape)?;
         let weights = super::weights(scores, mask, kv_heads, repeats, t, l)?;
         // A mask of another shape would have broadcast the weights past the rows read below.
         if weights.shape() != shape {
             return Ok(None);
         }
-        Ok(Some(self.product(self.shim.values, &weights, &at.values, l, d, &[b, h, t, d])?))
+        Ok(Some(self.product(Product::Values, &weights, &at.values, &[b, h, t, d])?))
     }
 
-    /// `product` (the shim's scores or values) for every (batch row, kv head) pair: its `repeats
-    /// * t` rows of `a` (`k` wide) by the store rows its sequence reads from that head's store,
-    /// into as many rows of the result (`n` wide), shaped `shape`.
+    /// The shim's `which` product for every (batch row, kv head) pair: its `repeats * t` rows of
+    /// `a` by the store rows its sequence reads from that head's store, shaped `shape` (the
+    /// primitive derives each side's width from the kind: scores `a` d wide into l columns,
+    /// values `a` l wide into d columns).
     #[cfg(parity_rows_primitive)]
-    fn product(&self, product: RowsFn, a: &Array, store: &Array, k: i32, n: i32, shape: &[i32]) -> Result<Array> {
+    fn product(&self, which: Product, a: &Array, store: &Array, shape: &[i32]) -> Result<Array> {
         let [b, h, t, _] = self.q_shape;
         let kv_heads = self.at.keys.shape()[0];
+        let product = match which {
+            Product::Scores => self.shim.scores,
+            Product::Values => self.shim.values,
+        };
         let mut res = mlx_sys::mlx_array { ctx: std::ptr::null_mut() };
         let mut err = [0 as libc::c_char; 256];
         // SAFETY: the handles are live arrays for the call; the primitive checks the operands'
@@ -174,11 +187,10 @@ impl InPlace<'_> {
                 store.as_ptr(),
                 self.at.index.as_ptr(),
                 product,
+                i32::from(which == Product::Values),
                 b,
                 kv_heads,
                 h / kv_heads * t,
-                k,
-                n,
                 self.l,
                 shape.as_ptr(),
                 shape.len() as i32,
@@ -197,7 +209,7 @@ impl InPlace<'_> {
 
     /// Never reached: without the primitive `shim()` is `None`, so nothing is planned in place.
     #[cfg(not(parity_rows_primitive))]
-    fn product(&self, _: RowsFn, _: &Array, _: &Array, _: i32, _: i32, _: &[i32]) -> Result<Array> {
+    fn product(&self, _: Product, _: &Array, _: &Array, _: &[i32]) -> Result<Array> {
         Err(crate::error::Error::Invalid("attention in place needs parity's MLX primitive, not built here".into()))
     }
 }
@@ -299,6 +311,11 @@ mod tests {
             assert!(copy.iter().all(|x| x.is_finite()), "{what}: the copy read a poisoned row");
             let differ = ours.iter().zip(copy).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
             assert_eq!(differ, 0, "{what}: {differ} of {} values differ", copy.len());
+            // The primitive reads raw pointers: a shape that does not fit the geometry is an
+            // error when the graph is built, never a read past an operand.
+            let wrong = [b, h, t, l + 1];
+            let refused = planned.product(Product::Scores, &q, &at.keys, &wrong);
+            assert!(refused.is_err_and(|e| e.to_string().contains("[parity rows]")), "{what}: a misfit shape built");
         }
     }
 }
